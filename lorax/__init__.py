@@ -1,0 +1,50 @@
+"""lorax: LoRA for any JAX function."""
+
+from ._adapter import load_adapter as load_adapter, save_adapter as save_adapter
+from ._engine import (
+    LoraMaterializationError as LoraMaterializationError,
+    LoraMaterializationWarning as LoraMaterializationWarning,
+)
+from ._init import init_lora as init_lora
+from ._layout import infer_layout as infer_layout
+from ._optim import wrap_optimizer as wrap_optimizer
+from ._params import (
+    combine as combine,
+    merge_params as merge_params,
+    partition as partition,
+    split_lora_params as split_lora_params,
+)
+from ._spec import (
+    LORA_FREEZE as LORA_FREEZE,
+    LORA_FULL as LORA_FULL,
+    LoraSpec as LoraSpec,
+    SpecSummary as SpecSummary,
+    simple_spec as simple_spec,
+    summary as summary,
+)
+from ._transform import lora as lora
+from ._weight import LoraWeight as LoraWeight
+
+__version__ = "0.4.0"
+
+__all__ = [
+    "LORA_FREEZE",
+    "LORA_FULL",
+    "LoraMaterializationError",
+    "LoraMaterializationWarning",
+    "LoraSpec",
+    "LoraWeight",
+    "SpecSummary",
+    "combine",
+    "infer_layout",
+    "init_lora",
+    "load_adapter",
+    "lora",
+    "merge_params",
+    "partition",
+    "save_adapter",
+    "simple_spec",
+    "split_lora_params",
+    "summary",
+    "wrap_optimizer",
+]

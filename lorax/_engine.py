@@ -1,0 +1,173 @@
+"""The dispatch engine behind `lora`: everything lorax knows about quax lives here.
+
+Swapping quax for another interpreter means rewriting this module only: rules
+register through `register`, `transform` re-traces a function so registered rules
+apply, and `materialize_fallback` is what happens to primitives with no rule.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import warnings
+from collections.abc import Iterator, Sequence
+from typing import Any, Literal
+
+import jax
+import jax.extend.core as jexc
+import quax
+from jax._src import ad_checkpoint as _ad_checkpoint
+from jax._src import core as _core
+from jaxtyping import ArrayLike
+from quax import _trace as _quax_trace
+from quax._values import _DenseArrayValue, _dense
+
+__all__ = [
+    "ArrayValue",
+    "MaterializePolicy",
+    "LoraMaterializationError",
+    "LoraMaterializationWarning",
+    "is_value",
+    "materialize_fallback",
+    "materialize_policy",
+    "register",
+    "transform",
+]
+
+ArrayValue = quax.ArrayValue
+register = quax.register
+transform = quax.quaxify
+
+MaterializePolicy = Literal["warn", "error", "allow"]
+_POLICIES = ("warn", "error", "allow")
+_policy: contextvars.ContextVar[MaterializePolicy] = contextvars.ContextVar(
+    "lorax_materialize_policy", default="warn"
+)
+
+
+class LoraMaterializationWarning(UserWarning):
+    """A `LoraWeight` met a primitive with no low-rank rule and was materialized."""
+
+
+class LoraMaterializationError(RuntimeError):
+    """Raised instead of materializing when `on_materialize="error"`."""
+
+
+def is_value(x: Any) -> bool:
+    return isinstance(x, quax.Value)
+
+
+def materialize_policy(policy: MaterializePolicy) -> contextlib.AbstractContextManager[None]:
+    # Validate here, not in the generator: a `@contextmanager` body only runs at
+    # `__enter__`, and `lora` builds this guard once up front to reject a bad policy.
+    if policy not in _POLICIES:
+        raise ValueError(f"on_materialize must be one of {_POLICIES}, got {policy!r}.")
+    return _policy_scope(policy)
+
+
+@contextlib.contextmanager
+def _policy_scope(policy: MaterializePolicy) -> Iterator[None]:
+    token = _policy.set(policy)
+    try:
+        yield
+    finally:
+        _policy.reset(token)
+
+
+def _report(name: str, values: Sequence[Any]) -> None:
+    policy = _policy.get()
+    if policy == "allow":
+        return
+    shapes = ", ".join(
+        f"{type(v).__name__} of shape {tuple(v.shape)}"
+        for v in values
+        if is_value(v) and type(v) is not _DenseArrayValue
+    )
+    msg = (
+        f"lorax: `{name}` has no low-rank rule, so {shapes} was materialized as "
+        "w + (alpha/k) * b @ a for it. The result is correct but costs a weight-sized "
+        "array; pass on_materialize='allow' to `lora` to silence this or 'error' to "
+        "forbid it."
+    )
+    if policy == "error":
+        raise LoraMaterializationError(msg)
+    warnings.warn(msg, LoraMaterializationWarning, stacklevel=2)
+
+
+def materialize_fallback(
+    primitive: jexc.Primitive, values: Sequence[Any], params: dict[str, Any]
+) -> Any:
+    """The correct-but-dense path for primitives without a low-rank rule."""
+    _report(primitive.name, values)
+    arrays = [type(v).materialise(v) if is_value(v) else v for v in values]
+    return primitive.bind(*arrays, **params)
+
+
+# -- higher-order primitives quax leaves out -----------------------------------
+
+
+@register(_ad_checkpoint.remat_p)
+def _remat(*args: ArrayValue | ArrayLike, jaxpr: Any, prevent_cse: bool,
+           differentiated: bool, policy: Any) -> Any:
+    if not any(map(is_value, args)):
+        return _ad_checkpoint.remat_p.bind(
+            *args, jaxpr=jaxpr, prevent_cse=prevent_cse,
+            differentiated=differentiated, policy=policy,
+        )
+    # Re-tracing the body under quax and checkpointing *that* keeps the saved
+    # residuals low-rank; `differentiated` is set by JAX's own AD on re-binding.
+    body = transform(jexc.jaxpr_as_fun(jexc.ClosedJaxpr(jaxpr, ())))
+    return jax.checkpoint(body, prevent_cse=prevent_cse, policy=policy)(*args)
+
+
+def _process_custom_vjp_call(self: Any, primitive: Any, fun: Any, fwd: Any, bwd: Any,
+                             tracers: Sequence[Any], /, **params: Any) -> Any:
+    # A custom_vjp rule is written for plain arrays, so a `LoraWeight` reaching
+    # one is materialized (under the policy); everything else passes straight
+    # to the parent trace with its custom gradient intact.
+    values = [self.to_value(t) for t in tracers]
+    if any(type(v) is not _DenseArrayValue for v in values):
+        _report(primitive.name, values)
+    parent = self.parent_trace
+    with _core.set_current_trace(parent):
+        arrays = [
+            v.array if type(v) is _DenseArrayValue else type(v).materialise(v)
+            for v in values
+        ]
+        out = parent.process_custom_vjp_call(primitive, fun, fwd, bwd, arrays, **params)
+    return [_quax_trace._QuaxTracer(self, _dense(x)) for x in out]
+
+
+# quax's trace defines no custom_vjp handling (JAX's base class raises), which
+# breaks any model using e.g. a custom_vjp activation or loss.
+if "process_custom_vjp_call" not in vars(_quax_trace._QuaxTrace):
+    _quax_trace._QuaxTrace.process_custom_vjp_call = _process_custom_vjp_call
+
+
+_quax_process_custom_jvp_call = getattr(
+    _quax_trace._QuaxTrace.process_custom_jvp_call, "__lorax_wrapped__",
+    _quax_trace._QuaxTrace.process_custom_jvp_call,
+)
+
+
+def _process_custom_jvp_call(self: Any, primitive: Any, fun: Any, jvp: Any,
+                             tracers: Sequence[Any], /, **params: Any) -> Any:
+    # Quax hands a Value's tangent to the jvp rule as the same type rebuilt from
+    # the leaf tangents, so a LoraWeight's tangent would read as
+    # `dw + s * db @ da`, not `dw + s * (db @ a + b @ da)`: silently wrong JVPs
+    # (and a crash under grad) for anything like `jax.nn.relu(w)`. A custom_jvp
+    # rule is written for plain arrays: materialize (under the policy) first.
+    values = [self.to_value(t) for t in tracers]
+    if any(type(v) is not _DenseArrayValue for v in values):
+        _report(primitive.name, values)
+        with _core.set_current_trace(self.parent_trace):
+            arrays = [
+                v.array if type(v) is _DenseArrayValue else type(v).materialise(v)
+                for v in values
+            ]
+        tracers = [_quax_trace._QuaxTracer(self, _dense(x)) for x in arrays]
+    return _quax_process_custom_jvp_call(self, primitive, fun, jvp, tracers, **params)
+
+
+_process_custom_jvp_call.__lorax_wrapped__ = _quax_process_custom_jvp_call  # type: ignore[attr-defined]
+_quax_trace._QuaxTrace.process_custom_jvp_call = _process_custom_jvp_call

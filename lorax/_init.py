@@ -1,0 +1,131 @@
+"""`init_lora`: turn the spec'd leaves of a parameter tree into `LoraWeight`s."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from ._spec import LORA_FREEZE, LORA_FULL, LoraSpec, as_lora_spec, check_spec_structure, path_str
+from ._weight import LoraWeight
+
+
+def _check(where: str, spec_val: Any, param: Any) -> LoraSpec | None:
+    if isinstance(spec_val, bool) or not (
+        isinstance(spec_val, LoraSpec) or isinstance(spec_val, (int, jnp.integer))
+    ):
+        raise ValueError(
+            f"init_lora: spec value at {where!r} must be an int rank > 0, a LoraSpec, "
+            f"LORA_FULL (-1) or LORA_FREEZE (0); got {spec_val!r}."
+        )
+    ls = as_lora_spec(spec_val)
+    if ls is None:
+        if spec_val not in (LORA_FREEZE, LORA_FULL):
+            raise ValueError(
+                f"init_lora: spec value at {where!r} is {spec_val!r}; ranks must be > 0 "
+                "(LORA_FULL = -1 and LORA_FREEZE = 0 are the only other values)."
+            )
+        return None
+    shape = tuple(getattr(param, "shape", ()))
+    dtype = getattr(param, "dtype", None)
+    if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+        raise ValueError(
+            f"init_lora: {where!r} has dtype {dtype}; LoRA needs a floating-point weight."
+        )
+    nb = ls.batch_ndim or 0
+    nm = len(shape) - nb - 1 if ls.m_ndim is None else ls.m_ndim
+    if len(shape) - nb < 2 or not 1 <= nm < len(shape) - nb:
+        raise ValueError(
+            f"init_lora: {where!r} has shape {shape}; a rank-{ls.rank} LoRA with "
+            f"batch_ndim={nb}, m_ndim={ls.m_ndim} needs at least one axis on each side "
+            "of the factorisation."
+        )
+    m, n = math.prod(shape[nb : nb + nm]), math.prod(shape[nb + nm :])
+    if not isinstance(ls.rank, (int, jnp.integer)) or not 0 < ls.rank < min(m, n):
+        raise ValueError(
+            f"init_lora: rank {ls.rank!r} at {where!r} must be between 1 and "
+            f"min(M, N) - 1 = {min(m, n) - 1} for a weight of shape {shape} factored as "
+            f"{shape[:nb]} x {shape[nb:nb + nm]} -> k -> {shape[nb + nm:]}; "
+            "a rank that large is no cheaper than training the weight fully."
+        )
+    return LoraSpec(int(ls.rank), ls.alpha, nb, nm)
+
+
+def init_lora(
+    param_tree: Any,
+    spec: Any,
+    rng: jax.Array,
+    stddev: float = 0.01,
+    dtype: Any = jnp.float32,
+    alpha: float = 1.0,
+    is_leaf: Callable[[Any], bool] | None = None,
+    *,
+    rslora: bool = False,
+) -> Any:
+    """Replace each leaf with a LoRA spec value by a `LoraWeight` of that rank.
+
+    `b` starts at zero and `a` at `N(0, stddev^2)`, so the model's output is
+    unchanged at initialisation (lorax 0.3's convention). A weight is factored as
+    `(*batch, *M, *N)` with `b: (*batch, *M, k)` and `a: (*batch, k, *N)`. By
+    default there are no batch axes and `N` is the last axis, which fits `(in, out)`
+    dense kernels, `(heads, head_dim, embed)` attention-output kernels and
+    `(*window, in, out)` conv kernels; for anything else (a DenseGeneral query
+    kernel, stacked scanned layers) run [`lorax.infer_layout`][] on the spec first,
+    or give a [`lorax.LoraSpec`][] with `batch_ndim`/`m_ndim`.
+
+    **Arguments:**
+
+    - `param_tree`: the model's parameters.
+    - `spec`: a pytree of spec values with `param_tree`'s structure (see
+      [`lorax.simple_spec`][]).
+    - `rng`: a `jax.random` key.
+    - `stddev`: standard deviation of `a`'s initialisation.
+    - `dtype`: dtype of the factors (the frozen weight keeps its own).
+    - `alpha`: LoRA scaling numerator; the update is scaled by `alpha / k`. A
+      `LoraSpec.alpha` overrides it per weight.
+    - `is_leaf`: passed to `jax.tree_util`.
+    - `rslora`: rank-stabilised LoRA: scale by `alpha / sqrt(k)` instead (stored as
+      `LoraWeight.alpha = alpha * sqrt(k)`, so merging and saving need nothing else).
+
+    **Returns:**
+
+    `param_tree` with `LoraWeight`s in place of the LoRA'd leaves; other leaves are
+    the same arrays (not copies).
+
+    **Raises:**
+
+    `ValueError` naming the key path for a rank `<= 0` or `>= min(M, N)`, a rank on
+    a vector or a non-float leaf, or a spec whose tree doesn't match the params'.
+
+    !!! Example
+
+        ```python
+        import jax, jax.numpy as jnp
+        import lorax
+
+        params = {"w": jnp.ones((8, 4)), "bias": jnp.zeros(4)}
+        lp = lorax.init_lora(params, {"w": 2, "bias": lorax.LORA_FULL}, jax.random.PRNGKey(0))
+        assert lp["w"].a.shape == (2, 4) and lp["w"].b.shape == (8, 2)
+        ```
+    """
+    check_spec_structure(spec, param_tree, "init_lora", is_leaf)
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(param_tree, is_leaf=is_leaf)
+    spec_leaves = treedef.flatten_up_to(spec)
+    checked = [_check(path_str(p), s, x) for (p, x), s in zip(leaves, spec_leaves)]
+    keys = iter(jax.random.split(rng, max(1, sum(c is not None for c in checked))))
+
+    out = []
+    for (_, param), ls in zip(leaves, checked):
+        if ls is None:
+            out.append(param)
+            continue
+        nb, nm, k = ls.batch_ndim, ls.m_ndim, ls.rank
+        shape = param.shape
+        b = jnp.zeros((*shape[: nb + nm], k), dtype=dtype)
+        a = jax.random.normal(next(keys), (*shape[:nb], k, *shape[nb + nm :]), dtype=dtype) * stddev
+        a_ = alpha if ls.alpha is None else ls.alpha
+        out.append(LoraWeight(param, a=a, b=b, alpha=a_ * math.sqrt(k) if rslora else a_))
+    return jax.tree_util.tree_unflatten(treedef, out)

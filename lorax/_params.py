@@ -1,0 +1,182 @@
+"""Merging LoRA parameters back into plain ones, and splitting out the trainable part."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+
+from ._spec import LORA_FREEZE, check_spec_structure
+from ._weight import LoraWeight, unchecked_replace
+
+
+def _is_lora(x: Any) -> bool:
+    return isinstance(x, LoraWeight)
+
+
+@jax.jit
+def _merge(w: jax.Array, lw: LoraWeight) -> jax.Array:
+    return w + lw.delta()
+
+
+# Only `w` can hold the merged result (same shape and dtype), so only it is donated.
+_merge_donating = jax.jit(_merge.__wrapped__, donate_argnums=0)
+
+
+def merge_params(lora_params: Any, destructive: bool = False) -> Any:
+    """Replace every `LoraWeight` by its merged weight `w + (alpha/k) * b @ a`.
+
+    The result has the original model's tree structure and dtypes, so it runs in
+    the unmodified model. Non-LoRA leaves are passed through as they are.
+
+    **Arguments:**
+
+    - `lora_params`: a parameter tree containing `LoraWeight`s.
+    - `destructive`: if `True`, donate each `LoraWeight`'s `w` to the merge so the
+      merged weight can reuse its memory: the caller's `w` arrays are deleted
+      afterwards. The default keeps them (lorax 0.3 deleted them by default).
+
+    **Returns:**
+
+    A parameter tree of plain arrays.
+
+    !!! Example
+
+        ```python
+        import jax, jax.numpy as jnp
+        import lorax
+
+        lp = lorax.init_lora({"w": jnp.ones((8, 4))}, {"w": 2}, jax.random.PRNGKey(0))
+        merged = lorax.merge_params(lp)
+        assert merged["w"].shape == (8, 4)
+        ```
+    """
+    merge = _merge_donating if destructive else _merge
+    return jax.tree_util.tree_map(
+        lambda x: merge(x.w, x) if _is_lora(x) else x, lora_params, is_leaf=_is_lora
+    )
+
+
+def split_lora_params(params: Any, spec: Any) -> Any:
+    """The trainable part of `params`, for checkpoints: frozen leaves become `None`.
+
+    `LoraWeight`s keep their `a` and `b` with `w` set to `None`; `LORA_FULL` leaves
+    are kept; `LORA_FREEZE` leaves become `None`.
+
+    **Arguments:**
+
+    - `params`: a LoRA parameter tree (from [`lorax.init_lora`][]).
+    - `spec`: the spec it was built with.
+
+    **Returns:**
+
+    A pytree with `params`' structure holding only trainable arrays.
+
+    !!! Example
+
+        ```python
+        import jax, jax.numpy as jnp
+        import lorax
+
+        spec = {"w": 2, "v": lorax.LORA_FREEZE}
+        lp = lorax.init_lora({"w": jnp.ones((8, 4)), "v": jnp.ones((4, 4))}, spec,
+                             jax.random.PRNGKey(0))
+        trainable = lorax.split_lora_params(lp, spec)
+        assert trainable["v"] is None and trainable["w"].w is None
+        ```
+    """
+
+    return partition(params, spec)[0]
+
+
+def partition(lora_params: Any, spec: Any) -> tuple[Any, Any]:
+    """Split LoRA parameters into `(trainable, frozen)` halves with the same structure.
+
+    `trainable` holds every `LoraWeight`'s `a` and `b` (its `w` set to `None`) and
+    the `LORA_FULL` leaves; `frozen` holds every `w` and the `LORA_FREEZE` leaves;
+    each has `None` where the other has an array. Differentiate and optimise only
+    `trainable`: the gradient's bytes equal the trainable bytes exactly, optax state
+    covers only trainable leaves, no dW matmul is traced, and a jitted step that
+    takes `frozen` as an input never returns (or copies) a frozen weight. This is
+    the memory-optimal training path; [`lorax.combine`][] puts the halves back
+    together inside the step.
+
+    **Arguments:**
+
+    - `lora_params`: a parameter tree from [`lorax.init_lora`][].
+    - `spec`: the spec it was built with.
+
+    **Returns:**
+
+    `(trainable, frozen)`.
+
+    !!! Example
+
+        ```python
+        import jax, jax.numpy as jnp, optax
+        import lorax
+
+        def loss(params, x):
+            return jnp.sum(x @ params["w"] + params["bias"])
+
+        params = {"w": jnp.ones((8, 4)), "bias": jnp.zeros(4)}
+        spec = {"w": 2, "bias": lorax.LORA_FULL}
+        trainable, frozen = lorax.partition(lorax.init_lora(params, spec, jax.random.PRNGKey(0)), spec)
+        opt = optax.adam(1e-3)
+        state = opt.init(trainable)  # moments for a, b and bias only
+
+        @jax.jit
+        def step(trainable, frozen, state, x):
+            grads = jax.grad(lambda t: lorax.lora(loss)(lorax.combine(t, frozen), x))(trainable)
+            updates, state = opt.update(grads, state, trainable)
+            return optax.apply_updates(trainable, updates), state
+
+        trainable, state = step(trainable, frozen, state, jnp.ones((2, 8)))
+        ```
+    """
+    check_spec_structure(spec, lora_params, "partition")
+
+    def split(spec_val: Any, param: Any) -> tuple[Any, Any]:
+        if _is_lora(param):
+            return unchecked_replace(param, w=None), unchecked_replace(param, a=None, b=None)
+        return (None, param) if spec_val == LORA_FREEZE else (param, None)
+
+    trainable = jax.tree_util.tree_map(lambda s, p: split(s, p)[0], spec, lora_params, is_leaf=_is_lora)
+    frozen = jax.tree_util.tree_map(lambda s, p: split(s, p)[1], spec, lora_params, is_leaf=_is_lora)
+    return trainable, frozen
+
+
+def combine(trainable: Any, frozen: Any) -> Any:
+    """Inverse of [`lorax.partition`][]: one tree with every array in place.
+
+    **Arguments:**
+
+    - `trainable`: the first half returned by `partition` (or an updated copy).
+    - `frozen`: the second half.
+
+    **Returns:**
+
+    The LoRA parameter tree, ready for a [`lorax.lora`][]-wrapped function.
+
+    !!! Example
+
+        ```python
+        import jax, jax.numpy as jnp
+        import lorax
+
+        spec = {"w": 2}
+        lp = lorax.init_lora({"w": jnp.ones((8, 4))}, spec, jax.random.PRNGKey(0))
+        again = lorax.combine(*lorax.partition(lp, spec))
+        assert (again["w"].materialize() == lp["w"].materialize()).all()
+        ```
+    """
+    is_none = lambda x: x is None  # noqa: E731
+    t_leaves, t_def = jax.tree_util.tree_flatten(trainable, is_leaf=is_none)
+    f_leaves, f_def = jax.tree_util.tree_flatten(frozen, is_leaf=is_none)
+    if t_def != f_def:
+        raise ValueError(
+            "combine: `trainable` and `frozen` have different structures; pass the two "
+            "halves returned by lorax.partition (or trees with the same structure)."
+        )
+    both = [t if f is None else f for t, f in zip(t_leaves, f_leaves)]
+    return jax.tree_util.tree_unflatten(t_def, both)

@@ -1,0 +1,126 @@
+"""`dot_general` with a `LoraWeight` on either side (or both), any dimension numbers."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import jax.numpy as jnp
+from jax import lax
+from jaxtyping import Array, ArrayLike
+
+from .. import _engine
+from .._weight import LoraWeight
+from ._contract import Labels, arrange, contract, dot_labels
+
+
+def factor_labels(
+    lw: LoraWeight, labels: Sequence[int], fresh: Iterator[int]
+) -> tuple[Labels, Labels, int]:
+    """Labels of `b` and `a` given `w`'s labels, with a fresh label for the rank axis."""
+    nb, nm, _ = lw.structure
+    k = next(fresh)
+    batch, m, n = labels[:nb], labels[nb : nb + nm], labels[nb + nm :]
+    return (*batch, *m, k), (*batch, k, *n), k
+
+
+def lora_contract(
+    lw: LoraWeight,
+    lwl: Sequence[int],
+    x: Array,
+    xl: Sequence[int],
+    out: Sequence[int],
+    lora_first: bool,
+    fresh: Iterator[int],
+    **dot_params: Any,
+) -> Array:
+    """Contract `lw` with the plain array `x` to labels `out`, never forming `W + BA`.
+
+    `op(W, x) + s * ((x . F1) . F2)`, where `F1` is the factor on the side `x`
+    contracts with (`b` for `x @ W`, `a` for `W @ x`), so the extra cost is
+    O(batch * k * (M + N)). Each dot keeps the caller's operand order.
+    """
+    w = lax.stop_gradient(lw.w)
+    bl, al, _ = factor_labels(lw, lwl, fresh)
+    b = lw.b.astype(w.dtype)
+    a = lw.a.astype(w.dtype)
+    nb, nm, _ = lw.structure
+    hits_n = any(l in xl for l in lwl[nb + nm :])
+    hits_m = any(l in xl for l in lwl[nb : nb + nm])
+    if hits_n and not hits_m:
+        (f1, f1l), (f2, f2l) = (a, al), (b, bl)
+    else:
+        (f1, f1l), (f2, f2l) = (b, bl), (a, al)
+
+    def dot(p, pl, q, ql, keep, **params):
+        # `p` is the LoRA-side operand; emit it where the caller had the weight.
+        if lora_first:
+            return contract(p, pl, q, ql, keep, **params)
+        return contract(q, ql, p, pl, keep, **params)
+
+    base, base_l = dot(w, lwl, x, xl, out, **dot_params)
+    low_params = {k: v for k, v in dot_params.items() if k != "out_sharding"}
+    t, tl = dot(f1, f1l, x, xl, {*out, *f2l}, **low_params)
+    t = scale(t, lw.scale)
+    y, yl = dot(f2, f2l, t, tl, out, **low_params)
+    return arrange(base, base_l, out) + arrange(y, yl, out)
+
+
+def scale(x: Array, s: float) -> Array:
+    """`s * x` on the rank-`k` intermediate, the cheapest place for it."""
+    return x if s == 1.0 else x * jnp.asarray(s, x.dtype)
+
+
+def _dot_params(precision: Any, preferred_element_type: Any, params: dict) -> dict:
+    return dict(precision=precision, preferred_element_type=preferred_element_type, **params)
+
+
+@_engine.register(lax.dot_general_p)
+def _(lhs: LoraWeight, rhs: ArrayLike, *, dimension_numbers: Any, precision: Any,
+      preferred_element_type: Any, **params: Any) -> Array:
+    ll, rl, out = dot_labels(lhs.ndim, jnp.ndim(rhs), dimension_numbers)
+    fresh = itertools.count(max((*ll, *rl)) + 1)
+    return lora_contract(lhs, ll, rhs, rl, out, True, fresh,
+                         **_dot_params(precision, preferred_element_type, params))
+
+
+@_engine.register(lax.dot_general_p)
+def _(lhs: ArrayLike, rhs: LoraWeight, *, dimension_numbers: Any, precision: Any,
+      preferred_element_type: Any, **params: Any) -> Array:
+    ll, rl, out = dot_labels(jnp.ndim(lhs), rhs.ndim, dimension_numbers)
+    fresh = itertools.count(max((*ll, *rl)) + 1)
+    return lora_contract(rhs, rl, lhs, ll, out, False, fresh,
+                         **_dot_params(precision, preferred_element_type, params))
+
+
+@_engine.register(lax.dot_general_p)
+def _(lhs: LoraWeight, rhs: LoraWeight, *, dimension_numbers: Any, precision: Any,
+      preferred_element_type: Any, **params: Any) -> Array:
+    # (W1 + s1 B1 A1) . (W2 + s2 B2 A2) = L1 . W2 + s2 * (L1 . B2) . A2: every
+    # step is a one-sided LoRA contraction or a plain dot with a factor.
+    ll, rl, out = dot_labels(lhs.ndim, rhs.ndim, dimension_numbers)
+    fresh = itertools.count(max((*ll, *rl)) + 1)
+    dot_params = _dot_params(precision, preferred_element_type, params)
+    low_params = {k: v for k, v in dot_params.items() if k != "out_sharding"}
+    w2 = lax.stop_gradient(rhs.w)
+    b2l, a2l, _ = factor_labels(rhs, rl, fresh)
+    base = lora_contract(lhs, ll, w2, rl, out, True, fresh, **dot_params)
+    b2 = rhs.b.astype(w2.dtype)
+    a2 = rhs.a.astype(w2.dtype)
+    keep = (*out, *(l for l in a2l if l not in out))
+    t = lora_contract(lhs, ll, b2, b2l, _natural(ll, b2l, keep), True, fresh, **low_params)
+    t = scale(t, rhs.scale)
+    y, yl = contract(t, _natural(ll, b2l, keep), a2, a2l, out, **low_params)
+    return base + arrange(y, yl, out)
+
+
+def _natural(xl: Sequence[int], yl: Sequence[int], keep: Sequence[int]) -> Labels:
+    """The label order `contract(x, y, keep)` would produce."""
+    shared = [l for l in xl if l in yl]
+    batch = [l for l in shared if l in keep]
+    return (
+        *batch,
+        *(l for l in xl if l not in shared and l in keep),
+        *(l for l in yl if l not in shared and l in keep),
+    )

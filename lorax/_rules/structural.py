@@ -1,0 +1,198 @@
+"""Shape-only primitives that keep the low-rank structure: the result is a `LoraWeight`.
+
+Each rule maps the op on `W` to ops on the factors (`B` carries `W`'s batch and
+`M` axes, `A` its batch and `N` axes). The op on `W` itself is a transpose,
+reshape, slice or cast of the frozen weight, which XLA folds into the consumer
+(or which is the op the model asked for anyway); no `W + BA` is ever formed.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import jax.numpy as jnp
+from jax import lax
+from jax._src.lax import lax as _lax_internal
+
+from .. import _engine
+from .._weight import LoraWeight
+from .dot import scale
+
+
+def _rebuild(lw: LoraWeight, w: Any, a: Any, b: Any) -> LoraWeight:
+    return LoraWeight(w, a=a, b=b, alpha=lw.alpha)
+
+
+# -- transpose -------------------------------------------------------------------
+
+
+@_engine.register(lax.transpose_p)
+def _(lw: LoraWeight, *, permutation: Sequence[int]) -> Any:
+    nb, nm, nn = lw.structure
+    perm = tuple(permutation)
+    batch, rest = perm[:nb], perm[nb:]
+    m_axes = tuple(range(nb, nb + nm))
+    n_axes = tuple(range(nb + nm, nb + nm + nn))
+    b_k, a_k = lw.b.ndim - 1, nb
+
+    def a_axis(p: int) -> int:  # W's N axis p sits at this axis of A
+        return p - nm + 1
+
+    if sorted(batch) != list(range(nb)):
+        return _engine.materialize_fallback(lax.transpose_p, [lw], dict(permutation=perm))
+    w = lax.transpose(lw.w, perm)
+    if sorted(rest[:nm]) == list(m_axes) and sorted(rest[nm:]) == list(n_axes):
+        b = lax.transpose(lw.b, (*batch, *rest[:nm], b_k))
+        a = lax.transpose(lw.a, (*batch, a_k, *map(a_axis, rest[nm:])))
+        return _rebuild(lw, w, a, b)
+    if sorted(rest[:nn]) == list(n_axes) and sorted(rest[nn:]) == list(m_axes):
+        # (W + B A)^T = W^T + A^T B^T: the factors swap roles.
+        new_b = lax.transpose(lw.a, (*batch, *map(a_axis, rest[:nn]), a_k))
+        new_a = lax.transpose(lw.b, (*batch, b_k, *rest[nn:]))
+        return _rebuild(lw, w, new_a, new_b)
+    return _engine.materialize_fallback(lax.transpose_p, [lw], dict(permutation=perm))
+
+
+# -- dtype -------------------------------------------------------------------------
+
+
+@_engine.register(lax.convert_element_type_p)
+def _(lw: LoraWeight, *, new_dtype: Any, **params: Any) -> Any:
+    if not jnp.issubdtype(new_dtype, jnp.inexact):
+        return _engine.materialize_fallback(
+            lax.convert_element_type_p, [lw], dict(new_dtype=new_dtype, **params)
+        )
+    if jnp.dtype(new_dtype) == lw.dtype:
+        return lw
+    # The factors keep their own (often f32) dtype; rules cast them to `w`'s dtype
+    # at the point of use, so gradients reach the factors at full precision.
+    w = lax.convert_element_type_p.bind(lw.w, new_dtype=new_dtype, **params)
+    return _rebuild(lw, w, lw.a, lw.b)
+
+
+# -- reshapes that keep batch / M / N axis groups intact ------------------------------
+
+
+def _group_bounds(old: Sequence[int], new: Sequence[int], nb: int, nm: int) -> tuple[int, int] | None:
+    """Where the batch|M and M|N boundaries fall in `new`, if a reshape keeps them."""
+    if math.prod(old) == 0:
+        return None
+    p_b, p_bm = math.prod(old[:nb]), math.prod(old[: nb + nm])
+    prefix = [math.prod(new[:i]) for i in range(len(new) + 1)]
+    i_choices = [i for i, p in enumerate(prefix) if p == p_b and i < len(new) - 1]
+    if not i_choices:
+        return None
+    i = max(i_choices)  # leading unit axes become batch axes (expand_dims of a stack)
+    for j in range(i + 1, len(new)):
+        if prefix[j] == p_bm:
+            return i, j
+    return None
+
+
+def _reshape_lora(lw: LoraWeight, new_shape: Sequence[int], prim: Any, params: dict) -> Any:
+    nb, nm, _ = lw.structure
+    new_shape = tuple(new_shape)
+    bounds = _group_bounds(lw.shape, new_shape, nb, nm)
+    if bounds is None:
+        return _engine.materialize_fallback(prim, [lw], params)
+    i, j = bounds
+    k = lw.rank
+    w = lax.reshape(lw.w, new_shape)
+    b = lax.reshape(lw.b, (*new_shape[:j], k))
+    a = lax.reshape(lw.a, (*new_shape[:i], k, *new_shape[j:]))
+    return _rebuild(lw, w, a, b)
+
+
+@_engine.register(lax.reshape_p)
+def _(lw: LoraWeight, *, new_sizes: Sequence[int], dimensions: Any, **params: Any) -> Any:
+    all_params = dict(new_sizes=new_sizes, dimensions=dimensions, **params)
+    if dimensions is not None:
+        return _engine.materialize_fallback(lax.reshape_p, [lw], all_params)
+    return _reshape_lora(lw, new_sizes, lax.reshape_p, all_params)
+
+
+@_engine.register(lax.squeeze_p)
+def _(lw: LoraWeight, *, dimensions: Sequence[int]) -> Any:
+    dims = {d % lw.ndim for d in dimensions}
+    new_shape = [s for d, s in enumerate(lw.shape) if d not in dims]
+    nb, nm, nn = lw.structure
+    if {*range(nb, nb + nm)} <= dims or {*range(nb + nm, lw.ndim)} <= dims:
+        return _squeeze_out_group(lw, dims)
+    return _reshape_lora(lw, new_shape, lax.squeeze_p, dict(dimensions=dimensions))
+
+
+def _squeeze_out_group(lw: LoraWeight, dims: set[int]) -> Any:
+    """Squeezing away every (unit) `M` or every `N` axis: one row or column.
+
+    `E[i]` of an embedding is `slice` + `squeeze`; once no `M` (or `N`) axis is
+    left there is no factorisation to keep, but the result is output-sized:
+    `squeeze(W) + s * squeeze(B) @ squeeze(A)` costs O(k * output), no weight.
+    """
+    nb, nm, _ = lw.structure
+    w = lax.stop_gradient(lw.w)
+    b_dims = tuple(d for d in sorted(dims) if d < nb + nm)
+    a_dims = tuple(d if d < nb else d - nm + 1 for d in sorted(dims) if d < nb or d >= nb + nm)
+    b = lax.squeeze(lw.b.astype(w.dtype), b_dims)
+    a = lax.squeeze(lw.a.astype(w.dtype), a_dims)
+    nb_out = nb - sum(d < nb for d in dims)
+    batch = tuple(range(nb_out))
+    low = lax.dot_general(b, a, (((b.ndim - 1,), (nb_out,)), (batch, batch)))
+    return lax.squeeze(w, tuple(sorted(dims))) + scale(low, lw.scale)
+
+
+@_engine.register(lax.broadcast_in_dim_p)
+def _(lw: LoraWeight, *, shape: Sequence[int], broadcast_dimensions: Sequence[int],
+      **params: Any) -> Any:
+    all_params = dict(shape=shape, broadcast_dimensions=broadcast_dimensions, **params)
+    inserts_unit_axes_only = (
+        list(broadcast_dimensions) == sorted(broadcast_dimensions)
+        and all(shape[d] == s for d, s in zip(broadcast_dimensions, lw.shape))
+        and all(s == 1 for d, s in enumerate(shape) if d not in broadcast_dimensions)
+    )
+    if not inserts_unit_axes_only:
+        return _engine.materialize_fallback(lax.broadcast_in_dim_p, [lw], all_params)
+    return _reshape_lora(lw, shape, lax.broadcast_in_dim_p, all_params)
+
+
+# -- slicing ------------------------------------------------------------------------
+
+
+def _split_per_factor(lw: LoraWeight, per_axis: Sequence[Any], k_value: Any) -> tuple[list, list]:
+    """Distribute per-W-axis values onto B's and A's axes (`k_value` for the rank axis)."""
+    nb, nm, _ = lw.structure
+    per_axis = list(per_axis)
+    batch, m, n = per_axis[:nb], per_axis[nb : nb + nm], per_axis[nb + nm :]
+    return [*batch, *m, k_value], [*batch, k_value, *n]
+
+
+@_engine.register(lax.slice_p)
+def _(lw: LoraWeight, *, start_indices: Sequence[int], limit_indices: Sequence[int],
+      strides: Sequence[int] | None) -> Any:
+    strides = strides or (1,) * lw.ndim
+    k = lw.rank
+    b_start, a_start = _split_per_factor(lw, start_indices, 0)
+    b_limit, a_limit = _split_per_factor(lw, limit_indices, k)
+    b_stride, a_stride = _split_per_factor(lw, strides, 1)
+    w = lax.slice(lw.w, start_indices, limit_indices, strides)
+    b = lax.slice(lw.b, b_start, b_limit, b_stride)
+    a = lax.slice(lw.a, a_start, a_limit, a_stride)
+    return _rebuild(lw, w, a, b)
+
+
+@_engine.register(lax.dynamic_slice_p)
+def _(lw: LoraWeight, *indices: Any, slice_sizes: Sequence[int]) -> Any:
+    zero = jnp.zeros((), jnp.asarray(indices[0]).dtype) if indices else 0
+    b_idx, a_idx = _split_per_factor(lw, indices, zero)
+    b_sizes, a_sizes = _split_per_factor(lw, slice_sizes, lw.rank)
+    w = lax.dynamic_slice(lw.w, indices, slice_sizes)
+    b = lax.dynamic_slice(lw.b, b_idx, b_sizes)
+    a = lax.dynamic_slice(lw.a, a_idx, a_sizes)
+    return _rebuild(lw, w, a, b)
+
+
+@_engine.register(_lax_internal.copy_p)
+def _(lw: LoraWeight) -> Any:
+    return lw
+

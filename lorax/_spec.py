@@ -1,0 +1,269 @@
+"""Spec values and `simple_spec`: which parameters get LoRA, which are tuned fully, which stay frozen."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Union
+
+import jax
+import jax.numpy as jnp
+from jax.tree_util import DictKey, FlattenedIndexKey, GetAttrKey, SequenceKey
+
+LORA_FREEZE = 0
+"""Spec value: keep this parameter frozen (no gradient, no optimizer state)."""
+LORA_FULL = -1
+"""Spec value: train this parameter fully."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraSpec:
+    """A spec value with more than a rank: per-weight alpha and an explicit factorisation.
+
+    A plain int `k > 0` in a spec means `LoraSpec(rank=k)`.
+
+    **Arguments:**
+
+    - `rank`: the rank `k` of the update (`> 0`).
+    - `alpha`: scaling numerator for this weight; `None` uses `init_lora`'s `alpha`.
+    - `batch_ndim`: how many leading axes of the weight are batch axes (stacked
+      layers or experts), each with its own factors. `None`: 0, unless inferred by
+      [`lorax.infer_layout`][].
+    - `m_ndim`: how many axes after the batch axes belong to `b`'s side; the rest
+      belong to `a`'s side. `None`: all but the last axis, unless inferred.
+
+    !!! Example
+
+        ```python
+        import lorax
+
+        # A stacked (layers, embed, heads, head_dim) query kernel:
+        # per-layer factors, embed -> k -> heads x head_dim.
+        spec_value = lorax.LoraSpec(rank=8, alpha=16.0, batch_ndim=1, m_ndim=1)
+        ```
+    """
+
+    rank: int
+    alpha: float | None = None
+    batch_ndim: int | None = None
+    m_ndim: int | None = None
+
+
+SpecValue = Union[int, LoraSpec]
+
+
+def as_lora_spec(value: Any) -> LoraSpec | None:
+    """`LoraSpec` for a LoRA spec value, `None` for `LORA_FREEZE` / `LORA_FULL`."""
+    if isinstance(value, LoraSpec):
+        return value
+    if isinstance(value, (int, jnp.integer)) and not isinstance(value, bool) and value > 0:
+        return LoraSpec(int(value))
+    return None
+
+
+def path_str(path: tuple[Any, ...]) -> str:
+    """`'key1/key2/0'`-style string for a pytree key path (lorax 0.3's format)."""
+    parts = []
+    for key in path:
+        if isinstance(key, DictKey):
+            parts.append(str(key.key))
+        elif isinstance(key, SequenceKey):
+            parts.append(str(key.idx))
+        elif isinstance(key, GetAttrKey):
+            parts.append(key.name)
+        elif isinstance(key, FlattenedIndexKey):
+            parts.append(str(key.key))
+        else:
+            parts.append(str(key))
+    return "/".join(parts) or "<root>"
+
+
+def _is_float_array(x: Any) -> bool:
+    dtype = getattr(x, "dtype", None)
+    return dtype is not None and jnp.issubdtype(dtype, jnp.floating)
+
+
+def _target_fn(
+    targets: str | Sequence[str] | Mapping[str, SpecValue], rank: SpecValue | None
+) -> Callable[[str, Any], SpecValue]:
+    if isinstance(targets, Mapping):
+        table = [(re.compile(p), v) for p, v in targets.items()]
+    else:
+        if rank is None:
+            raise ValueError("simple_spec: `targets` given as patterns needs `rank=`.")
+        patterns = [targets] if isinstance(targets, str) else list(targets)
+        table = [(re.compile(p), rank) for p in patterns]
+
+    def decide(path: str, arr: Any) -> SpecValue:
+        for pattern, value in table:
+            if pattern.search(path):
+                return value
+        return LORA_FREEZE
+
+    return decide
+
+
+def simple_spec(
+    params: Any,
+    decision_fn: Callable[[str, Any], SpecValue] | None = None,
+    tune_vectors: bool = False,
+    is_leaf: Callable[[Any], bool] | None = None,
+    *,
+    targets: str | Sequence[str] | Mapping[str, SpecValue] | None = None,
+    rank: SpecValue | None = None,
+) -> Any:
+    """Build a LoRA spec for `params`: one spec value per leaf.
+
+    A spec value `k > 0` (or a [`lorax.LoraSpec`][]) means "LoRA of rank k",
+    `LORA_FULL` (-1) "train fully" and `LORA_FREEZE` (0) "keep frozen".
+
+    **Arguments:**
+
+    - `params`: the parameter pytree.
+    - `decision_fn`: called as `decision_fn(path, array)` for every floating-point
+      leaf with two or more dimensions, where `path` is a `'key1/key2/0'` string;
+      returns the spec value. Default: freeze everything.
+    - `tune_vectors`: train floating-point 0-d and 1-d leaves (biases, norms) fully
+      instead of freezing them.
+    - `is_leaf`: passed to `jax.tree_util`, to stop at custom nodes.
+    - `targets`: PEFT-style targeting instead of `decision_fn`: a regex (or list of
+      regexes) searched in each path, with `rank=` giving the value for matches; or
+      a dict `{regex: spec value}` for per-pattern rank and alpha (first match wins).
+    - `rank`: the spec value for `targets` given as patterns.
+
+    **Returns:**
+
+    A pytree of spec values with `params`' structure.
+
+    !!! Example
+
+        ```python
+        import jax.numpy as jnp
+        import lorax
+
+        params = {"attn": {"query": jnp.zeros((8, 8)), "key": jnp.zeros((8, 8)),
+                           "value": jnp.zeros((8, 8))},
+                  "norm": jnp.ones(8)}
+        spec = lorax.simple_spec(params, targets=r"query|value", rank=4, tune_vectors=True)
+        assert spec == {"attn": {"query": 4, "key": 0, "value": 4}, "norm": lorax.LORA_FULL}
+        ```
+    """
+    if targets is not None:
+        if decision_fn is not None:
+            raise ValueError("simple_spec: pass either `decision_fn` or `targets`, not both.")
+        decision_fn = _target_fn(targets, rank)
+    elif decision_fn is None:
+        def decision_fn(path: str, arr: Any) -> SpecValue:
+            return LORA_FREEZE
+
+    def leaf_spec(path: tuple[Any, ...], arr: Any) -> SpecValue:
+        if not _is_float_array(arr):
+            return LORA_FREEZE
+        if arr.ndim < 2:
+            return LORA_FULL if tune_vectors else LORA_FREEZE
+        return decision_fn(path_str(path), arr)
+
+    return jax.tree_util.tree_map_with_path(leaf_spec, params, is_leaf=is_leaf)
+
+
+def check_spec_structure(spec: Any, params: Any, where: str, is_leaf: Any = None) -> None:
+    """Raise a `ValueError` naming the first key path where `spec` and `params` differ."""
+    spec_paths = {
+        path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(spec)[0]
+    }
+    from ._weight import LoraWeight  # local: _weight does not depend on specs
+
+    stop = lambda x: isinstance(x, LoraWeight) or (is_leaf is not None and is_leaf(x))  # noqa: E731
+    param_paths = {
+        path_str(p)
+        for p, _ in jax.tree_util.tree_flatten_with_path(params, is_leaf=stop)[0]
+    }
+    if spec_paths != param_paths:
+        missing = sorted(param_paths - spec_paths)
+        extra = sorted(spec_paths - param_paths)
+        detail = []
+        if missing:
+            detail.append(f"no spec value for parameter(s) {missing[:5]}")
+        if extra:
+            detail.append(f"spec value(s) for {extra[:5]} match no parameter")
+        raise ValueError(
+            f"{where}: the spec's tree does not match the parameters': " + "; ".join(detail)
+            + ". Build the spec from the same params (e.g. with lorax.simple_spec)."
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class SpecSummary:
+    """Counts from [`lorax.summary`][]; `str()` gives the one-line summary."""
+
+    n_lora: int
+    n_full: int
+    n_frozen: int
+    trainable: int
+    total: int
+
+    def __str__(self) -> str:
+        pct = 100.0 * self.trainable / max(self.total, 1)
+        return (
+            f"LoRA on {self.n_lora} weights, {self.n_full} trained fully, {self.n_frozen} "
+            f"frozen; trainable parameters: {self.trainable:,} of {self.total:,} ({pct:.2f}%)"
+        )
+
+
+def summary(params: Any, spec: Any) -> SpecSummary:
+    """Count what a spec does to a parameter tree: LoRA / full / frozen, and trainable %.
+
+    **Arguments:**
+
+    - `params`: the base parameters, or a LoRA tree built from them.
+    - `spec`: a spec for them.
+
+    **Returns:**
+
+    A [`lorax.SpecSummary`][]; `print(lorax.summary(params, spec))` prints one line.
+    The total counts the base model's parameters (a `LoraWeight` counts as its `w`).
+
+    !!! Example
+
+        ```python
+        import jax.numpy as jnp
+        import lorax
+
+        params = {"q": jnp.zeros((64, 64)), "norm": jnp.ones(64)}
+        s = lorax.summary(params, {"q": 4, "norm": lorax.LORA_FULL})
+        assert s.trainable == 4 * (64 + 64) + 64
+        print(s)  # LoRA on 1 weights, 1 trained fully, 0 frozen; trainable ...
+        ```
+    """
+    import math
+
+    from ._weight import LoraWeight
+
+    check_spec_structure(spec, params, "summary")
+    is_lora = lambda x: isinstance(x, LoraWeight)  # noqa: E731
+    flat, treedef = jax.tree_util.tree_flatten(params, is_leaf=is_lora)
+    n_lora = n_full = n_frozen = trainable = total = 0
+    for leaf, spec_val in zip(flat, treedef.flatten_up_to(spec)):
+        if isinstance(leaf, LoraWeight):
+            n_lora += 1
+            trainable += leaf.a.size + leaf.b.size
+            total += leaf.w.size
+            continue
+        shape = tuple(getattr(leaf, "shape", ()))
+        size = math.prod(shape)
+        total += size
+        ls = as_lora_spec(spec_val)
+        if ls is not None:
+            nb = ls.batch_ndim or 0
+            nm = len(shape) - nb - 1 if ls.m_ndim is None else ls.m_ndim
+            n_lora += 1
+            trainable += math.prod(shape[:nb]) * ls.rank * (
+                math.prod(shape[nb : nb + nm]) + math.prod(shape[nb + nm :])
+            )
+        elif spec_val == LORA_FULL:
+            n_full += 1
+            trainable += size
+        else:
+            n_frozen += 1
+    return SpecSummary(n_lora, n_full, n_frozen, trainable, total)

@@ -1,0 +1,64 @@
+"""`lora(fn)`: re-trace any JAX function so `LoraWeight` leaves go through low-rank rules."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from . import _engine, _rules  # noqa: F401  (importing _rules registers the rules)
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def lora(fn: F, *, on_materialize: _engine.MaterializePolicy = "warn") -> F:
+    """Make `fn` accept `LoraWeight`s anywhere an array was expected.
+
+    The returned function has `fn`'s signature. When it is called, `fn` is traced
+    with every [`lorax.LoraWeight`][] in its arguments (at any depth of any pytree)
+    standing in for the array `w + (alpha / k) * b @ a`, and each primitive that
+    touches one is rewritten by a low-rank rule: `dot_general` (any dimension
+    numbers), `conv_general_dilated`, `gather`, and shape-only ops that keep the
+    factors apart. The frozen `w` only enters through `lax.stop_gradient`, so
+    gradients reach `a` and `b` only. Works eagerly and under `jax.jit`,
+    `jax.grad`, `jax.vmap`, `jax.checkpoint`, `lax.scan`, `lax.cond`,
+    `lax.while_loop` and custom_jvp/custom_vjp functions, inside or outside `fn`.
+
+    **Arguments:**
+
+    - `fn`: any JAX function: a Flax `apply`, a Haiku `apply`, an Equinox model,
+      plain `jax.numpy` code.
+    - `on_materialize`: what to do when a `LoraWeight` reaches a primitive with no
+      low-rank rule, where the correct result needs the dense `w + (alpha/k) b @ a`:
+      `"warn"` (default; a `LoraMaterializationWarning` naming the primitive and the
+      weight's shape), `"error"` (raise `LoraMaterializationError`) or `"allow"`.
+
+    **Returns:**
+
+    A function with `fn`'s signature.
+
+    !!! Example
+
+        ```python
+        import jax, jax.numpy as jnp
+        import lorax
+
+        def model(params, x):
+            return jax.nn.relu(x @ params["w"])
+
+        params = {"w": jnp.ones((8, 4))}
+        lora_params = lorax.init_lora(params, {"w": 2}, jax.random.PRNGKey(0))
+        y = lorax.lora(model)(lora_params, jnp.ones((3, 8)))
+        assert y.shape == (3, 4)
+        ```
+    """
+    traced = _engine.transform(fn)
+    policy_guard = functools.partial(_engine.materialize_policy, on_materialize)
+    policy_guard()  # validate the policy now, not at first call
+
+    @functools.wraps(fn)
+    def lora_fn(*args: Any, **kwargs: Any) -> Any:
+        with policy_guard():
+            return traced(*args, **kwargs)
+
+    return lora_fn  # type: ignore[return-value]

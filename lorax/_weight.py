@@ -1,0 +1,173 @@
+"""`LoraWeight`: a frozen weight plus a trainable low-rank update, as one array-ish value."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jaxtyping import Array, ArrayLike
+
+from . import _engine
+
+
+def factor_structure(
+    w_shape: tuple[int, ...], a_shape: tuple[int, ...], b_shape: tuple[int, ...]
+) -> tuple[int, int, int]:
+    """Split a weight's axes into `(n_batch, n_in, n_out)` groups from factor shapes.
+
+    `w` is `(*batch, *M, *N)`, `b` is `(*batch, *M, k)` and `a` is `(*batch, k, *N)`,
+    so the three ranks determine the groups: no metadata needs to travel with the
+    pytree, and slicing a stacked weight inside `lax.scan` keeps it consistent.
+    """
+    n_batch = len(b_shape) + len(a_shape) - len(w_shape) - 2
+    n_m = len(b_shape) - n_batch - 1
+    n_n = len(a_shape) - n_batch - 1
+    ok = n_batch >= 0 and n_m >= 1 and n_n >= 1
+    if ok:
+        batch = w_shape[:n_batch]
+        k = b_shape[-1]
+        ok = (
+            b_shape[:n_batch] == batch
+            and a_shape[:n_batch] == batch
+            and b_shape[n_batch:-1] == w_shape[n_batch : n_batch + n_m]
+            and a_shape[n_batch + 1 :] == w_shape[n_batch + n_m :]
+            and a_shape[n_batch] == k
+        )
+    if not ok:
+        raise ValueError(
+            "LoraWeight factor shapes do not fit the weight: expected "
+            "w: (*batch, *M, *N), b: (*batch, *M, k), a: (*batch, k, *N), got "
+            f"w: {tuple(w_shape)}, b: {tuple(b_shape)}, a: {tuple(a_shape)}."
+        )
+    return n_batch, n_m, n_n
+
+
+class LoraWeight(_engine.ArrayValue):
+    """A frozen weight `w` plus a trainable low-rank update, `w + (alpha / k) * b @ a`.
+
+    Shapes follow lorax 0.3: `w: (..., M, N)`, `b: (..., M, k)`, `a: (..., k, N)`.
+    More generally `w` may have several axes on either side of the factorisation
+    and leading batch axes (stacked per-layer or per-expert weights):
+    `w: (*batch, *M, *N)`, `b: (*batch, *M, k)`, `a: (*batch, k, *N)`.
+
+    Inside a function wrapped by [`lorax.lora`][], a `LoraWeight` behaves like the
+    array `w + (alpha / k) * b @ a` without that array ever being formed.
+
+    `LoraWeight` is an immutable pytree (an `equinox.Module`) whose leaves are
+    `w`, `a` and `b`; `alpha` is static metadata. To replace a factor, build a new
+    one: `dataclasses.replace(lw, a=new_a)` or `equinox.tree_at(lambda l: l.a, lw, new_a)`.
+
+    **Arguments:**
+
+    - `w`: the frozen weight.
+    - `a`: the factor on `w`'s output (`N`) side, `(*batch, k, *N)`.
+    - `b`: the factor on `w`'s input (`M`) side, `(*batch, *M, k)`.
+    - `alpha`: the LoRA scaling numerator; the update is scaled by `alpha / k`.
+
+    !!! Example
+
+        ```python
+        import jax.numpy as jnp
+        import lorax
+
+        w = jnp.ones((4, 3))
+        lw = lorax.LoraWeight(w, a=jnp.ones((2, 3)), b=jnp.zeros((4, 2)), alpha=1.0)
+        assert lw.shape == (4, 3) and lw.rank == 2
+        assert (lw.materialize() == w).all()
+        ```
+    """
+
+    w: Array
+    a: Array
+    b: Array
+    alpha: float = eqx.field(static=True, default=1.0)
+
+    def __init__(self, w: ArrayLike, a: ArrayLike, b: ArrayLike, alpha: float = 1.0):
+        if isinstance(alpha, jax.core.Tracer) or jnp.ndim(alpha) != 0:
+            raise TypeError(
+                f"LoraWeight.alpha must be a Python number (it is static), got {alpha!r}."
+            )
+        factor_structure(_shape(w), _shape(a), _shape(b))
+        self.w = w
+        self.a = a
+        self.b = b
+        self.alpha = float(alpha)
+
+    # -- array-ish interface -------------------------------------------------
+    def aval(self) -> jax.core.ShapedArray:
+        return jax.core.ShapedArray(_shape(self.w), self.w.dtype)
+
+    @property
+    def rank(self) -> int:
+        """The rank `k` of the update."""
+        return self.b.shape[-1]
+
+    @property
+    def scale(self) -> float:
+        """The update's scale, `alpha / k`."""
+        return self.alpha / self.rank
+
+    @property
+    def structure(self) -> tuple[int, int, int]:
+        """`(n_batch, n_in, n_out)`: how many of `w`'s axes are batch, `M` and `N` axes."""
+        return factor_structure(self.w.shape, self.a.shape, self.b.shape)
+
+    def delta(self) -> Array:
+        """The update `(alpha / k) * b @ a`, in `w`'s dtype and shape."""
+        nb = self.structure[0]
+        batch = tuple(range(nb))
+        ba = lax.dot_general(
+            self.b, self.a, (((self.b.ndim - 1,), (nb,)), (batch, batch))
+        )
+        return (self.scale * ba).astype(self.w.dtype)
+
+    def materialize(self) -> Array:
+        """`w + (alpha / k) * b @ a` as a plain array (the merged weight).
+
+        **Returns:**
+
+        An array with `w`'s shape and dtype.
+        """
+        return self.w + self.delta()
+
+    def materialise(self) -> Array:
+        # Quax's fallback hook. Inside `lora` the frozen weight only ever enters
+        # through `stop_gradient`, the fallback included.
+        return lax.stop_gradient(self.w) + self.delta()
+
+    @staticmethod
+    def default(primitive: Any, values: Any, params: dict[str, Any]) -> Any:
+        return _engine.materialize_fallback(primitive, values, params)
+
+    def __repr__(self) -> str:
+        return (
+            f"LoraWeight(w={_short(self.w)}, a={_short(self.a)}, b={_short(self.b)}, "
+            f"alpha={self.alpha})"
+        )
+
+
+def _shape(x: Any) -> tuple[int, ...]:
+    shape = getattr(x, "shape", None)
+    return tuple(shape) if shape is not None else tuple(jnp.shape(x))
+
+
+def _short(x: Any) -> str:
+    shape = getattr(x, "shape", None)
+    dtype = getattr(x, "dtype", None)
+    if shape is None:
+        return repr(x)
+    return f"{jnp.dtype(dtype).name}{list(shape)}"
+
+
+def unchecked_replace(lw: LoraWeight, **fields: Any) -> LoraWeight:
+    """`lw` with some of `w`, `a`, `b` swapped for arbitrary values (None, labels, specs).
+
+    Goes through pytree unflattening, as JAX itself does, so no shape check runs:
+    for trees that mirror a LoRA tree's structure, not for computing with.
+    """
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(lw, is_leaf=lambda x: x is None)
+    new = [fields.get(path[-1].name, leaf) for path, leaf in leaves]
+    return jax.tree_util.tree_unflatten(treedef, new)

@@ -1,0 +1,37 @@
+"""Shared test set-up: hypothesis profiles and helpers for comparing with the dense reference."""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import numpy as np
+from hypothesis import HealthCheck, settings
+
+jax.config.update("jax_enable_x64", False)
+
+# `ci` keeps the default suite within CI's budget on 2 cores; `thorough` is for
+# local runs (HYPOTHESIS_PROFILE=thorough). Tracing dominates each example, so
+# deadlines are off: wall-clock is not what these tests check.
+settings.register_profile(
+    "ci", max_examples=25, deadline=None, derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+settings.register_profile(
+    "dev", max_examples=40, deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+settings.register_profile(
+    "thorough", max_examples=400, deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
+
+
+def assert_close(actual, expected, dtype=np.float32, scale=1.0):
+    """Compare with a tolerance that suits `dtype` and the magnitude of `expected`."""
+    actual = np.asarray(actual, np.float32)
+    expected = np.asarray(expected, np.float32)
+    tol = {np.dtype("float32"): 2e-5, np.dtype(jax.numpy.bfloat16): 2e-2}[np.dtype(dtype)]
+    mag = max(1.0, float(np.abs(expected).max(initial=0.0))) * scale
+    np.testing.assert_allclose(actual, expected, rtol=tol * 4, atol=tol * mag * 4)

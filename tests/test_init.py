@@ -1,0 +1,62 @@
+"""init_lora: defaults, rsLoRA, explicit factorisations, and bad-input errors naming the path."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import lorax
+
+
+def test_defaults_match_lorax_03():
+    w = jax.random.normal(jax.random.PRNGKey(0), (32, 16))
+    lw = lorax.init_lora({"w": w}, {"w": 4}, jax.random.PRNGKey(1))["w"]
+    assert lw.alpha == 1.0 and lw.a.dtype == jnp.float32
+    assert (lw.b == 0).all()
+    assert abs(float(lw.a.std()) - 0.01) < 0.004
+    np.testing.assert_array_equal(lw.materialize(), w)
+
+
+def test_rslora_scales_by_sqrt_rank():
+    lw = lorax.init_lora({"w": jnp.ones((32, 16))}, {"w": 4}, jax.random.PRNGKey(1),
+                         alpha=8.0, rslora=True)["w"]
+    assert math.isclose(lw.scale, 8.0 / math.sqrt(4))
+
+
+def test_explicit_factorisations():
+    params = {"q": jnp.zeros((2, 16, 4, 8)), "o": jnp.zeros((4, 8, 16))}
+    spec = {"q": lorax.LoraSpec(3, batch_ndim=1, m_ndim=1), "o": lorax.LoraSpec(3, m_ndim=2)}
+    lp = lorax.init_lora(params, spec, jax.random.PRNGKey(0), dtype=jnp.bfloat16)
+    assert lp["q"].b.shape == (2, 16, 3) and lp["q"].a.shape == (2, 3, 4, 8)
+    assert lp["o"].b.shape == (4, 8, 3) and lp["o"].a.shape == (3, 16)
+    assert lp["q"].structure == (1, 1, 2) and lp["q"].a.dtype == jnp.bfloat16
+
+
+@pytest.mark.parametrize(
+    "spec_val, match",
+    [(8, "min\\(M, N\\) - 1 = 7"), (100, "between 1"), (-2, "ranks must be > 0"),
+     (lorax.LoraSpec(0), "between 1"), (lorax.LoraSpec(2, m_ndim=2), "each side"),
+     (2.0, "int rank")],
+)
+def test_bad_ranks_name_the_path(spec_val, match):
+    params = {"block": {"kernel": jnp.zeros((8, 16))}}
+    with pytest.raises(ValueError, match=match) as info:
+        lorax.init_lora(params, {"block": {"kernel": spec_val}}, jax.random.PRNGKey(0))
+    assert "block/kernel" in str(info.value)
+
+
+def test_rank_on_vector_or_int_leaf_names_the_path():
+    with pytest.raises(ValueError, match="norm/scale"):
+        lorax.init_lora({"norm": {"scale": jnp.ones(8)}}, {"norm": {"scale": 2}}, jax.random.PRNGKey(0))
+    with pytest.raises(ValueError, match="'ids'.*floating"):
+        lorax.init_lora({"ids": jnp.zeros((8, 8), jnp.int32)}, {"ids": 2}, jax.random.PRNGKey(0))
+
+
+def test_frozen_and_full_leaves_are_the_same_objects():
+    params = {"a": jnp.ones((4, 4)), "b": jnp.ones(4)}
+    lp = lorax.init_lora(params, {"a": 0, "b": -1}, jax.random.PRNGKey(0))
+    assert lp["a"] is params["a"] and lp["b"] is params["b"]

@@ -1,0 +1,102 @@
+"""partition/combine: gradients and optimizer state cost exactly the trainable bytes."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import lorax
+
+
+def _model(n_layers=3, d=64):
+    keys = jax.random.split(jax.random.PRNGKey(0), n_layers)
+    params = {f"layer{i}": {"kernel": jax.random.normal(k, (d, d)) / d**0.5, "bias": jnp.zeros(d),
+                            "scale": jnp.ones(d)} for i, k in enumerate(keys)}
+    spec = {name: {"kernel": 4, "bias": lorax.LORA_FULL, "scale": lorax.LORA_FREEZE}
+            for name in params}
+
+    def loss(p, x):
+        for i in range(n_layers):
+            layer = p[f"layer{i}"]
+            x = jnp.tanh(x @ layer["kernel"] + layer["bias"]) * layer["scale"]
+        return jnp.mean(x**2)
+
+    return params, spec, loss
+
+
+def _bytes(tree):
+    return sum(x.nbytes for x in jax.tree.leaves(tree))
+
+
+def test_gradient_bytes_equal_trainable_bytes():
+    params, spec, loss = _model()
+    trainable, frozen = lorax.partition(lorax.init_lora(params, spec, jax.random.PRNGKey(1)), spec)
+    lloss = lorax.lora(loss, on_materialize="error")
+    x = jnp.ones((4, 64))
+    grads = jax.grad(lambda t: lloss(lorax.combine(t, frozen), x))(trainable)
+    assert jax.tree.structure(grads) == jax.tree.structure(trainable)
+    assert _bytes(grads) == _bytes(trainable) == 3 * 4 * (4 * (64 + 64) + 64)
+    # The whole-tree path pays a W-sized zero gradient per LoRA weight.
+    lp = lorax.combine(trainable, frozen)
+    whole = jax.grad(lloss)(lp, x)
+    assert _bytes(whole) - _bytes(grads) == 3 * 4 * (64 * 64 + 64)
+    # Same factor gradients either way.
+    for name in params:
+        np.testing.assert_allclose(grads[name]["kernel"].a, whole[name]["kernel"].a, rtol=1e-6)
+    state = optax.adam(1e-3).init(trainable)
+    assert _bytes(state) - 4 == 2 * _bytes(trainable)  # mu + nu (+ the int32 count)
+
+
+def test_partition_halves_and_combine_roundtrip():
+    params, spec, _ = _model()
+    lp = lorax.init_lora(params, spec, jax.random.PRNGKey(1))
+    trainable, frozen = lorax.partition(lp, spec)
+    assert trainable["layer0"]["kernel"].w is None and trainable["layer0"]["scale"] is None
+    assert frozen["layer0"]["kernel"].a is None and frozen["layer0"]["bias"] is None
+    assert frozen["layer0"]["kernel"].w is lp["layer0"]["kernel"].w
+    again = lorax.combine(trainable, frozen)
+    assert jax.tree.structure(again) == jax.tree.structure(lp)
+    for x, y in zip(jax.tree.leaves(again), jax.tree.leaves(lp)):
+        assert x is y
+
+
+def test_combine_structure_mismatch_is_an_error():
+    params, spec, _ = _model()
+    trainable, frozen = lorax.partition(lorax.init_lora(params, spec, jax.random.PRNGKey(1)), spec)
+    del frozen["layer2"]
+    with pytest.raises(ValueError, match="different structures"):
+        lorax.combine(trainable, frozen)
+
+
+def test_jitted_partition_step_returns_no_frozen_weight():
+    params, spec, loss = _model()
+    trainable, frozen = lorax.partition(lorax.init_lora(params, spec, jax.random.PRNGKey(1)), spec)
+    opt = optax.adam(1e-3)
+    state = opt.init(trainable)
+    lloss = lorax.lora(loss, on_materialize="error")
+
+    def step(trainable, frozen, state, x):
+        g = jax.grad(lambda t: lloss(lorax.combine(t, frozen), x))(trainable)
+        u, state = opt.update(g, state, trainable)
+        return optax.apply_updates(trainable, u), state
+
+    x = jnp.ones((4, 64))
+    out_shapes = jax.eval_shape(step, trainable, frozen, state, x)
+    assert all(s.shape != (64, 64) for s in jax.tree.leaves(out_shapes))
+    mem = jax.jit(step).lower(trainable, frozen, state, x).compile().memory_analysis()
+    # Outputs are the trainable leaves and Adam state, plus XLA's 8-byte-per-output
+    # tuple table: not one frozen (64 x 64) weight.
+    n_out = len(jax.tree.leaves(out_shapes))
+    assert mem.output_size_in_bytes == _bytes(trainable) + _bytes(state) + 8 * n_out
+
+
+def test_merge_params_keeps_structure_and_dtypes():
+    params = {"w": jnp.ones((8, 8), jnp.bfloat16), "v": jnp.ones(3)}
+    spec = {"w": 2, "v": 0}
+    lp = lorax.init_lora(params, spec, jax.random.PRNGKey(0))  # f32 factors on a bf16 weight
+    merged = lorax.merge_params(lp)
+    assert merged["w"].dtype == jnp.bfloat16 and merged["v"] is params["v"]
+    assert jax.tree.structure(merged) == jax.tree.structure(params)

@@ -1,0 +1,79 @@
+"""simple_spec targeting, per-pattern ranks, summaries, and spec/param mismatches."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import lorax
+
+
+def _attn_params():
+    z = jnp.zeros
+    return {
+        "layer_0": {"attn": {"query": z((16, 16)), "key": z((16, 16)), "value": z((16, 16)),
+                             "out": z((16, 16))},
+                    "mlp": {"up": z((16, 64)), "down": z((64, 16))}, "norm": jnp.ones(16)},
+        "embed": z((100, 16)),
+        "step": jnp.zeros((3, 3), jnp.int32),
+    }
+
+
+def test_targets_regex_picks_paths():
+    spec = lorax.simple_spec(_attn_params(), targets=r"attn/(query|value)$", rank=4)
+    assert spec["layer_0"]["attn"] == {"query": 4, "key": 0, "value": 4, "out": 0}
+    assert spec["layer_0"]["mlp"] == {"up": 0, "down": 0}
+    assert spec["embed"] == 0 and spec["step"] == 0
+
+
+def test_targets_dict_gives_per_pattern_rank_and_alpha():
+    spec = lorax.simple_spec(
+        _attn_params(),
+        targets={r"attn/": lorax.LoraSpec(8, alpha=16.0), r"mlp/up": 2},
+        tune_vectors=True,
+    )
+    assert spec["layer_0"]["attn"]["key"] == lorax.LoraSpec(8, alpha=16.0)
+    assert spec["layer_0"]["mlp"] == {"up": 2, "down": 0}
+    assert spec["layer_0"]["norm"] == lorax.LORA_FULL
+    lp = lorax.init_lora(_attn_params(), spec, jax.random.PRNGKey(0), alpha=1.0)
+    assert lp["layer_0"]["attn"]["key"].alpha == 16.0
+    assert lp["layer_0"]["mlp"]["up"].alpha == 1.0 and lp["layer_0"]["mlp"]["up"].rank == 2
+
+
+def test_integer_leaves_are_never_targeted():
+    spec = lorax.simple_spec(_attn_params(), decision_fn=lambda p, w: 2)
+    assert spec["step"] == lorax.LORA_FREEZE
+
+
+def test_targets_and_decision_fn_are_exclusive():
+    with pytest.raises(ValueError, match="either"):
+        lorax.simple_spec(_attn_params(), decision_fn=lambda p, w: 2, targets="q", rank=2)
+    with pytest.raises(ValueError, match="rank"):
+        lorax.simple_spec(_attn_params(), targets="query")
+
+
+def test_summary_counts_and_line():
+    params = _attn_params()
+    spec = lorax.simple_spec(params, targets=r"query|value", rank=4, tune_vectors=True)
+    s = lorax.summary(params, spec)
+    total = sum(x.size for x in jax.tree.leaves(params))
+    assert (s.n_lora, s.n_full, s.n_frozen) == (2, 1, 6)
+    assert s.trainable == 2 * 4 * (16 + 16) + 16 and s.total == total
+    line = str(s)
+    assert "\n" not in line and f"{s.trainable:,}" in line and "%" in line
+    # The same numbers after init, counted from the LoraWeights themselves.
+    lp = lorax.init_lora(params, spec, jax.random.PRNGKey(0))
+    assert lorax.summary(lp, spec) == s
+
+
+def test_spec_tree_mismatch_names_the_path():
+    params = _attn_params()
+    spec = lorax.simple_spec(params)
+    del spec["layer_0"]["mlp"]["down"]
+    with pytest.raises(ValueError, match="layer_0/mlp/down"):
+        lorax.init_lora(params, spec, jax.random.PRNGKey(0))
+    spec = lorax.simple_spec(params)
+    spec["extra"] = 3
+    with pytest.raises(ValueError, match="extra"):
+        lorax.init_lora(params, spec, jax.random.PRNGKey(0))
