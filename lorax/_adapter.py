@@ -17,6 +17,7 @@ import ml_dtypes
 import numpy as np
 
 from ._spec import LORA_FREEZE, LORA_FULL, LoraSpec, check_spec_structure
+from ._sharding import place_factors
 from ._weight import LoraWeight
 
 _FORMAT = "lorax-adapter/1"
@@ -177,6 +178,7 @@ def load_adapter(path: str | os.PathLike, base_params: Any) -> tuple[Any, Any]:
             raise ValueError(f"load_adapter: {key} has rank {base.rank} in the given LoRA "
                              f"parameters but rank {e['rank']} in the adapter.")
         a, b = jax.numpy.asarray(tensors[key + ".a"]), jax.numpy.asarray(tensors[key + ".b"])
+        a, b = place_factors(w, a, b, e["batch_ndim"], e["m_ndim"])
         try:
             leaves[i] = LoraWeight(w, a=a, b=b, alpha=e["alpha"])
         except ValueError as err:

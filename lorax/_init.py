@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from ._spec import LORA_FREEZE, LORA_FULL, LoraSpec, as_lora_spec, check_spec_structure, path_str
+from ._sharding import place_factors
 from ._weight import LoraWeight
 
 
@@ -64,6 +65,7 @@ def init_lora(
     is_leaf: Callable[[Any], bool] | None = None,
     *,
     rslora: bool = False,
+    rank_axis: str | None = None,
 ) -> Any:
     """Replace each leaf with a LoRA spec value by a `LoraWeight` of that rank.
 
@@ -89,6 +91,9 @@ def init_lora(
     - `is_leaf`: passed to `jax.tree_util`.
     - `rslora`: rank-stabilised LoRA: scale by `alpha / sqrt(k)` instead (stored as
       `LoraWeight.alpha = alpha * sqrt(k)`, so merging and saving need nothing else).
+    - `rank_axis`: for weights sharded with a `NamedSharding`, the factors follow
+      `w`'s sharding (`b` on its batch and `M` axes, `a` on its batch and `N` axes)
+      and the rank axis is replicated; name a mesh axis here to shard it instead.
 
     **Returns:**
 
@@ -126,6 +131,7 @@ def init_lora(
         shape = param.shape
         b = jnp.zeros((*shape[: nb + nm], k), dtype=dtype)
         a = jax.random.normal(next(keys), (*shape[:nb], k, *shape[nb + nm :]), dtype=dtype) * stddev
+        a, b = place_factors(param, a, b, nb, nm, rank_axis)
         a_ = alpha if ls.alpha is None else ls.alpha
         out.append(LoraWeight(param, a=a, b=b, alpha=a_ * math.sqrt(k) if rslora else a_))
     return jax.tree_util.tree_unflatten(treedef, out)

@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# Set up poetry (in .tools/) and the main env (.venv, Python 3.11) from poetry.lock.
+#   bash scripts/bootstrap.sh [poetry install options]   e.g. --with dev,docs
+#   source scripts/bootstrap.sh --with dev               also keeps $POETRY, $ROOT,
+#                                                        find_python and the env vars
+# Installs nothing outside the repo, so a fresh clone on a fresh machine works.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+POETRY_HOME_VENV="$ROOT/.tools/poetry"
+POETRY="$POETRY_HOME_VENV/bin/poetry"
+# Pinned together: the mirror plugin only supports a range of poetry releases.
+POETRY_PINS="poetry==2.5.1 poetry-plugin-pypi-mirror==0.6.5"
+
+# Prints the real path of a working python$1 (a pyenv shim may exist but refuse to run).
+find_python() {
+  local py
+  for py in "python$1" "$(pyenv root 2>/dev/null)"/versions/"$1".*/bin/python; do
+    "$py" -c 'import sys; print(sys.executable)' 2>/dev/null && return 0
+  done
+  return 1
+}
+
+# The stamp records the pins, so changing them above reinstalls; a half-done install
+# leaves no stamp and is redone.
+if [ "$(cat "$POETRY_HOME_VENV/.pins" 2>/dev/null)" != "$POETRY_PINS" ]; then
+  echo "bootstrap: installing $POETRY_PINS into .tools/poetry" >&2
+  rm -rf "$POETRY_HOME_VENV"
+  python3 -m venv "$POETRY_HOME_VENV"
+  # shellcheck disable=SC2086
+  "$POETRY_HOME_VENV/bin/pip" install -q $POETRY_PINS >"$ROOT/.tools/poetry-install.log" 2>&1 \
+    || { cat "$ROOT/.tools/poetry-install.log" >&2; exit 1; }
+  echo "$POETRY_PINS" >"$POETRY_HOME_VENV/.pins"
+fi
+
+# The package proxy serves only the simple index, not the JSON API plain poetry uses;
+# the plugin swaps poetry's PyPI source for the index pip itself would use here
+# (PIP_INDEX_URL, any pip config file, else pip's default), looked up at run time so
+# no host is written into the repo.
+if [ -z "${POETRY_PYPI_MIRROR_URL:-}" ]; then
+  POETRY_PYPI_MIRROR_URL="$("$POETRY_HOME_VENV/bin/python" -c \
+    'from pip._internal.commands import create_command as c; print(c("install").parse_args([])[0].index_url)')"
+fi
+export POETRY_PYPI_MIRROR_URL
+export POETRY_VIRTUALENVS_IN_PROJECT=true
+# Keeps poetry's env registry (envs.toml) inside the repo, so an old `poetry env use`
+# from someone's own setup can't redirect installs to another env.
+export POETRY_VIRTUALENVS_PATH="$ROOT/.tools/venvs"
+# No keyring lookups: on a headless CI box they can hang waiting for a D-Bus secret store.
+export POETRY_KEYRING_ENABLED=false
+
+# Editable install of lorax itself needs both; until they exist, install deps only.
+poetry_install() {  # poetry install into the env poetry picks (see VIRTUAL_ENV below)
+  local root=()
+  if [ ! -d "$ROOT/lorax" ] || [ ! -f "$ROOT/README.md" ]; then
+    echo "bootstrap: lorax/ or README.md missing; installing dependencies only" >&2
+    root=(--no-root)
+  fi
+  (cd "$ROOT" && "$POETRY" install -n "${root[@]}" "$@")
+}
+
+PY311="$(find_python 3.11)" || { echo "bootstrap: no Python 3.11 found (python3.11 or pyenv)" >&2; exit 1; }
+# An activated venv (VIRTUAL_ENV) wins over .venv in poetry; blank it for the main env.
+(cd "$ROOT" && VIRTUAL_ENV= CONDA_PREFIX= "$POETRY" env use -n -q "$PY311")
+VIRTUAL_ENV= CONDA_PREFIX= poetry_install "$@"
