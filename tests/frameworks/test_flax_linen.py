@@ -1,0 +1,88 @@
+"""Flax linen layers, unmodified, through lorax."""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from .harness import check_lora_model
+
+
+def _check(module, x, targets, **kw):
+    params = module.init(jax.random.PRNGKey(0), x)["params"]
+    apply = lambda p, x: module.apply({"params": p}, x)  # noqa: E731
+    return check_lora_model(apply, params, (x,), targets, **kw)
+
+
+def test_dense_and_layernorm():
+    class M(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(5)(nn.LayerNorm()(nn.relu(nn.Dense(16)(x))))
+
+    _check(M(), jnp.ones((3, 8)), r"Dense_\d/kernel", expected_lora=2)
+
+
+def test_dense_general_multi_axis():
+    class M(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            h = nn.DenseGeneral((2, 4), axis=-1)(x)  # (b, s, 2, 4)
+            return nn.DenseGeneral(6, axis=(-2, -1))(h)
+
+    lp = _check(M(), jnp.ones((2, 3, 8)), "kernel", expected_lora=2)
+    assert lp["DenseGeneral_0"]["kernel"].a.shape == (2, 2, 4)
+    assert lp["DenseGeneral_1"]["kernel"].b.shape == (2, 4, 2)
+
+
+def test_conv():
+    class M(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            x = nn.Conv(8, (3, 3), strides=2, padding="SAME")(x)
+            return nn.Conv(4, (3,), kernel_dilation=2, padding="VALID")(x.reshape(x.shape[0], -1, 8))
+
+    _check(M(), jnp.ones((2, 8, 8, 3)), "kernel", expected_lora=2)
+
+
+def test_embed_and_tied_attend():
+    class M(nn.Module):
+        @nn.compact
+        def __call__(self, ids):
+            embed = nn.Embed(50, 16)
+            h = nn.tanh(embed(ids))
+            return embed.attend(h)
+
+    _check(M(), jnp.array([[1, 2, 3], [4, 5, 49]]), "embedding", rank=3, expected_lora=1)
+
+
+def test_multi_head_attention():
+    class M(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.MultiHeadDotProductAttention(num_heads=2, qkv_features=8)(x)
+
+    lp = _check(M(), jnp.ones((2, 5, 6)), "kernel", expected_lora=4)
+    attn = lp["MultiHeadDotProductAttention_0"]
+    assert attn["query"]["kernel"].b.shape == (6, 2)  # embed -> k -> heads x head_dim
+    assert attn["out"]["kernel"].b.shape == (2, 4, 2)  # heads x head_dim -> k -> embed
+
+
+def test_scanned_and_rematted_layers():
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, x, _):
+            return x + nn.Dense(x.shape[-1])(nn.gelu(nn.Dense(12)(x))), None
+
+    class M(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            block = nn.remat(Block)
+            stack = nn.scan(block, variable_axes={"params": 0}, split_rngs={"params": True},
+                            length=3)
+            return stack()(x, None)[0]
+
+    lp = _check(M(), jnp.ones((2, 6)), "kernel", expected_lora=2)
+    k = lp["ScanCheckpointBlock_0"]["Dense_0"]["kernel"]
+    assert k.b.shape == (3, 12, 2) and k.a.shape == (3, 2, 6)  # per-layer factors
