@@ -1,0 +1,42 @@
+"""Equinox models, unmodified, through lorax (weights are `(out, in)`, used as `W @ x`)."""
+
+from __future__ import annotations
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+
+from .harness import check_lora_model
+
+
+def _check(model, args, targets, call=None, **kw):
+    params, static = eqx.partition(model, eqx.is_inexact_array)
+    call = call or (lambda m, *a: jax.vmap(m)(*a))
+
+    def apply(p, *a):
+        return call(eqx.combine(p, static), *a)
+
+    return check_lora_model(apply, params, args, targets, **kw)
+
+
+def test_mlp():
+    mlp = eqx.nn.MLP(6, 3, width_size=16, depth=2, key=jax.random.PRNGKey(0))
+    _check(mlp, (jnp.ones((4, 6)),), "weight", expected_lora=3)
+
+
+def test_conv2d():
+    conv = eqx.nn.Conv2d(3, 8, kernel_size=3, stride=2, padding=1, key=jax.random.PRNGKey(0))
+    lp = _check(conv, (jnp.ones((2, 3, 8, 8)),), "weight", expected_lora=1)
+    assert lp.weight.b.shape == (8, 2)  # OIHW: out <- k <- in x window
+
+
+def test_multihead_attention():
+    mha = eqx.nn.MultiheadAttention(num_heads=2, query_size=8, key=jax.random.PRNGKey(0))
+    x = jnp.ones((2, 5, 8))
+    _check(mha, (x,), "weight", call=lambda m, x: jax.vmap(lambda t: m(t, t, t))(x),
+           expected_lora=4)
+
+
+def test_embedding():
+    emb = eqx.nn.Embedding(30, 8, key=jax.random.PRNGKey(0))
+    _check(emb, (jnp.array([0, 5, 29]),), "weight", rank=3, expected_lora=1)
