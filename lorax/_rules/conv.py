@@ -49,7 +49,9 @@ def _(lhs: ArrayLike, rhs: LoraWeight, *, dimension_numbers: lax.ConvDimensionNu
             kernel_shape[dn.rhs_spec[0]] = f_out.shape[0]
             kernel_shape[dn.rhs_spec[1]] = f_out.shape[1]
             o_first = dn.rhs_spec[0] < dn.rhs_spec[1]
-            kernel = (f_out if o_first else f_out.T).astype(w.dtype).reshape(kernel_shape)
+            # `t` is in the caller's preferred_element_type when one is given (conv,
+            # unlike dot_general, needs both operands in one dtype).
+            kernel = (f_out if o_first else f_out.T).astype(t.dtype).reshape(kernel_shape)
             pointwise = dict(params)
             pointwise.update(
                 window_strides=(1,) * n_spatial, padding=((0, 0),) * n_spatial,

@@ -57,7 +57,8 @@ def _drop_whole_columns(dn: lax.GatherDimensionNumbers, indices: Any, slice_size
         i for i, d in enumerate(dn.start_index_map)
         if d in dn.collapsed_slice_dims or slice_sizes[d] != shape[d]
     ]
-    if len(keep) == len(dn.start_index_map) or not keep:
+    keep = keep or [0]  # every axis whole (a one-row table): one column still says "gather"
+    if len(keep) == len(dn.start_index_map):
         return dn, indices
     dn = dn._replace(start_index_map=tuple(dn.start_index_map[i] for i in keep))
     return dn, jnp.asarray(indices)[..., np.asarray(keep)]

@@ -82,12 +82,14 @@ def _group_bounds(old: Sequence[int], new: Sequence[int], nb: int, nm: int) -> t
     p_b, p_bm = math.prod(old[:nb]), math.prod(old[: nb + nm])
     prefix = [math.prod(new[:i]) for i in range(len(new) + 1)]
     i_choices = [i for i, p in enumerate(prefix) if p == p_b and i < len(new) - 1]
-    if not i_choices:
-        return None
-    i = max(i_choices)  # leading unit axes become batch axes (expand_dims of a stack)
-    for j in range(i + 1, len(new)):
-        if prefix[j] == p_bm:
-            return i, j
+    # Prefer the last choice: leading unit axes become batch axes (expand_dims of
+    # a stack). With a unit M group that can leave no room for M, so fall back
+    # to earlier choices: any valid split is correct, the factors are reshaped
+    # in row-major order on either side of it.
+    for i in sorted(i_choices, reverse=True):
+        for j in range(i + 1, len(new)):
+            if prefix[j] == p_bm:
+                return i, j
     return None
 
 

@@ -1,0 +1,1 @@
+"""lorax benchmarks: training-step speed, compiled memory, trace time (`python -m benchmarks`)."""

@@ -1,0 +1,43 @@
+"""Run the three benchmarks (speed, memory, trace time); results under `benchmarks/results/`.
+
+    python -m benchmarks                      # everything, default sizes (~20 min on 2 cores)
+    python -m benchmarks --quick              # smoke run of all three
+    python -m benchmarks --out DIR --only memory,trace_time
+
+`--quick` and `--out` are passed to every benchmark. The speed benchmark is run last:
+memory and trace time do not depend on machine load (trace time a little), speed does,
+so check `cat /proc/loadavg` before a run you mean to report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    __package__ = "benchmarks"
+
+from . import _common as C  # noqa: E402
+from . import memory, speed, trace_time  # noqa: E402
+
+BENCHMARKS = {"memory": memory, "trace_time": trace_time, "speed": speed}
+
+
+def main(argv: list[str] | None = None) -> Path:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help="smoke run of every benchmark")
+    p.add_argument("--out", default=None, help="output directory (default benchmarks/results)")
+    p.add_argument("--only", default=",".join(BENCHMARKS), help="comma-separated subset")
+    a = p.parse_args(argv)
+    out = C.out_dir(a.out)
+    common = (["--quick"] if a.quick else []) + ["--out", str(out)]
+    for name in (n for n in BENCHMARKS if n in a.only.split(",")):
+        print(f"== {name}", flush=True)
+        BENCHMARKS[name].main(common)
+    return out
+
+
+if __name__ == "__main__":
+    main()

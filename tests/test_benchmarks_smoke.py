@@ -1,0 +1,75 @@
+"""Smoke tests of the benchmarks (`benchmarks/`): each runs with `--quick` and writes its
+outputs. Nothing about time is asserted; the memory benchmark's structural facts are."""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks import _impls, memory, speed, trace_time  # noqa: E402
+
+
+def _rows(path: Path) -> list[dict[str, str]]:
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def test_speed_quick(tmp_path):
+    speed.main(["--quick", "--out", str(tmp_path)])
+    rows = _rows(tmp_path / "speed.csv")
+    md = (tmp_path / "speed.md").read_text()
+    assert {r["impl"] for r in rows} == set(_impls.IMPLS)
+    assert {r["grid"] for r in rows} == {"mlp", "attn"}
+    for impl in _impls.IMPLS:
+        assert f"`{impl}`" in md
+    assert "lorax / hand-written" in md and "**cpu**" in md and "**jax**" in md
+    assert "MISMATCH" not in md and "mismatches" not in md  # same first-step loss everywhere
+    assert (tmp_path / "speed_rounds.csv").exists()
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert (tmp_path / "speed.png").stat().st_size > 0
+
+
+def test_memory_quick(tmp_path):
+    memory.main(["--quick", "--out", str(tmp_path)])
+    rows = _rows(tmp_path / "memory.csv")
+    md = (tmp_path / "memory.md").read_text()
+    assert {r["impl"] for r in rows} == set(_impls.IMPLS)
+    for impl in _impls.IMPLS:
+        assert f"`{impl}`" in md
+
+    def get(case, impl, donated):
+        (r,) = [r for r in rows if r["case"] == case and r["impl"] == impl and r["donated"] == donated]
+        return r
+
+    for case in ("mlp4",):
+        w = float(get(case, "hand_lora", "False")["w_mib"]) * memory.MiB
+        for donated in ("False", "True"):
+            part, hand = get(case, "lorax_partition", donated), get(case, "hand_lora", donated)
+            # The partition step returns no frozen weight and allocates no W-shaped buffer...
+            assert float(part["largest_output_mib"]) * memory.MiB < w
+            assert part["w_shaped_ops"] == "0"
+            # ...and needs no more than the hand-written split step.
+            assert int(part["total_bytes"]) <= int(hand["total_bytes"]) + memory.TUPLE_SLACK
+        # Donated, the lorax 0.3 path aliases every output (W included) to its input...
+        wrap = get(case, "lorax_wrap", "True")
+        assert int(wrap["out_minus_alias_bytes"]) < memory.TUPLE_SLACK
+        assert wrap["w_shaped_ops"] == "0"
+        assert int(wrap["total_bytes"]) <= int(get(case, "hand_lora", "True")["total_bytes"]) + memory.TUPLE_SLACK
+        # ...undonated it must return a fresh copy of W; naive LoRA materialises W + BA.
+        assert get(case, "lorax_wrap", "False")["w_sized_output"] == "True"
+        assert int(get(case, "naive_lora", "False")["w_shaped_ops"]) > 0
+
+
+def test_trace_time_quick(tmp_path):
+    trace_time.main(["--quick", "--out", str(tmp_path)])
+    rows = _rows(tmp_path / "trace_time.csv")
+    assert {r["impl"] for r in rows} == set(trace_time.IMPLS)
+    assert len(rows) == 2 * len(trace_time.IMPLS)  # two layer counts
+    assert all(float(r["lower_ms"]) > 0 and float(r["compile_ms"]) > 0 for r in rows)
+    assert (tmp_path / "trace_time.md").exists()

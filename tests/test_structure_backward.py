@@ -1,0 +1,327 @@
+"""Structural checks on the jaxprs lorax emits: what is *not* computed.
+
+The low-rank rules must never form a weight-sized array other than the frozen `w`
+itself: in particular the backward pass must not compute a dense weight gradient
+(`x^T @ g`, a `dot_general` or conv whose output has the weight's shape) to then
+project it onto the factors. Values-only tests cannot see this, since the
+materializing path gives the same numbers; these tests walk the jaxprs.
+
+Each check comes with a negative control showing that the same walker *does*
+find the weight-shaped op when the weight is materialized (with or without
+`stop_gradient`, or with the dot rule swapped for a materializing one), so the
+checks cannot pass vacuously.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import jax
+import jax.extend.core as jex
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+import lorax
+from lorax._rules import _contract as contract_mod
+from lorax._rules import dot as dot_mod
+
+B = 11  # activation batch size: no weight or factor axis has this size
+D_IN, D_HID, D_OUT, K = 8, 6, 5, 2
+WEIGHT_PRIMS = ("dot_general", "conv_general_dilated")
+
+
+# -- a recursive jaxpr walker ------------------------------------------------------------
+
+
+def _sub_jaxprs(value) -> Iterator[jex.Jaxpr]:
+    if isinstance(value, jex.ClosedJaxpr):
+        yield value.jaxpr
+    elif isinstance(value, jex.Jaxpr):
+        yield value
+    elif isinstance(value, (tuple, list)):
+        for v in value:
+            yield from _sub_jaxprs(v)
+
+
+def iter_eqns(jaxpr) -> Iterator[jex.JaxprEqn]:
+    """Every equation of `jaxpr`, recursing into sub-jaxprs held in params (jit/pjit,
+    scan, cond branches, while, remat, custom_jvp_call / custom_vjp_call, ...)."""
+    if isinstance(jaxpr, jex.ClosedJaxpr):
+        jaxpr = jaxpr.jaxpr
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for value in eqn.params.values():
+            for sub in _sub_jaxprs(value):
+                yield from iter_eqns(sub)
+
+
+def weight_shaped_ops(jaxpr, weight_shapes) -> list[str]:
+    """`dot_general` / conv equations whose output has a weight's shape (in any axis
+    order: a materialized transposed weight counts too)."""
+    targets = {tuple(sorted(s)) for s in weight_shapes}
+    found = []
+    for eqn in iter_eqns(jaxpr):
+        if eqn.primitive.name in WEIGHT_PRIMS:
+            for v in eqn.outvars:
+                if tuple(sorted(v.aval.shape)) in targets:
+                    found.append(f"{eqn.primitive.name} -> {v.aval.shape}")
+    return found
+
+
+def count_prims(jaxpr, names) -> int:
+    return sum(eqn.primitive.name in names for eqn in iter_eqns(jaxpr))
+
+
+def test_walker_recurses_into_sub_jaxprs():
+    """Sanity: a weight-shaped dot hidden in a jit inside a scan inside a cond is found."""
+    w = jnp.ones((D_IN, D_HID))
+
+    def f(x):
+        def body(c, _):
+            inner = jax.jit(lambda x: x.T @ x)  # (D_IN, D_IN)
+            return c, lax.cond(x.sum() > 0, lambda: inner(x), lambda: jnp.zeros((D_IN, D_IN)))
+        return lax.scan(body, 0.0, None, length=2)[1].sum() + (x @ w).sum()
+
+    jaxpr = jax.make_jaxpr(f)(jnp.ones((B, D_IN)))
+    assert not [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "dot_general"
+                and e.outvars[0].aval.shape == (D_IN, D_IN)]
+    assert weight_shaped_ops(jaxpr, [(D_IN, D_IN)]) == ["dot_general -> (8, 8)"]
+    assert weight_shaped_ops(jaxpr, [(D_HID, D_IN)]) == []
+
+
+# -- models ----------------------------------------------------------------------------------
+
+
+def _lora(rng, shape, structure=(0, 1, 1), k=K) -> lorax.LoraWeight:
+    nb, nm, _ = structure
+    batch, m, n = shape[:nb], shape[nb : nb + nm], shape[nb + nm :]
+    return lorax.LoraWeight(
+        jnp.asarray(rng.standard_normal(shape), jnp.float32),
+        a=jnp.asarray(rng.standard_normal((*batch, k, *n)), jnp.float32),
+        b=jnp.asarray(rng.standard_normal((*batch, *m, k)), jnp.float32),
+        alpha=2.0,
+    )
+
+
+def dense(params, x):
+    return x @ params["w"]
+
+
+def mlp(params, x):
+    return jax.nn.relu(x @ params["w1"]) @ params["w2"]
+
+
+def scanned_mlp(params, x):
+    # Stacked per-layer weights (L, D, D), sliced by lax.scan.
+    def layer(h, w):
+        return jnp.tanh(h @ w), None
+    return lax.scan(layer, x, params["stack"])[0]
+
+
+def conv_nhwc(params, x):
+    return lax.conv_general_dilated(
+        x, params["kernel"], (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))
+
+
+def conv_nchw(params, x):
+    return lax.conv_general_dilated(
+        x, params["kernel"], (2, 1), ((1, 1), (0, 2)), rhs_dilation=(1, 2),
+        dimension_numbers=("NCHW", "OIHW", "NCHW"))
+
+
+def _models():
+    rng = np.random.default_rng(0)
+    return {
+        "dense": (dense, {"w": _lora(rng, (D_IN, D_HID))}, (B, D_IN)),
+        "mlp": (mlp, {"w1": _lora(rng, (D_IN, D_HID)), "w2": _lora(rng, (D_HID, D_OUT))},
+                (B, D_IN)),
+        "scanned_mlp": (scanned_mlp, {"stack": _lora(rng, (3, D_IN, D_IN), (1, 1, 1))},
+                        (B, D_IN)),
+        # HWIO kernel (3, 3, 4, 5): b (3, 3, 4, k), a (k, 5).
+        "conv_hwio": (conv_nhwc, {"kernel": _lora(rng, (3, 3, 4, 5), (0, 3, 1))},
+                      (2, 7, 7, 4)),
+        # OIHW kernel (5, 4, 3, 3): b (5, k), a (k, 4, 3, 3).
+        "conv_oihw": (conv_nchw, {"kernel": _lora(rng, (5, 4, 3, 3), (0, 1, 3))},
+                      (2, 4, 7, 7)),
+    }
+
+
+MODELS = sorted(_models())
+
+
+def _weight_shapes(params):
+    shapes = []
+    for lw in jax.tree.leaves(params, is_leaf=lambda v: isinstance(v, lorax.LoraWeight)):
+        shapes.append(lw.shape)
+        nb = lw.structure[0]
+        shapes.append(lw.shape[nb:])  # one slice of a stacked weight
+    return shapes
+
+
+def _grad_jaxpr(model, params, x_shape, forward):
+    """The jaxpr of `grad(loss)` w.r.t. the LoRA params and the input, with the loss
+    jitted inside so that the walker has to recurse."""
+    proj = jnp.asarray(np.random.default_rng(1).standard_normal(
+        jax.eval_shape(model, _materialized(params), jnp.zeros(x_shape)).shape), jnp.float32)
+
+    @jax.jit
+    def loss(params, x):
+        return jnp.sum(jnp.sin(forward(model)(params, x)) * proj)
+
+    return jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(params, jnp.ones(x_shape))
+
+
+def _materialized(params, stop_w: bool = False):
+    def m(v):
+        if not isinstance(v, lorax.LoraWeight):
+            return v
+        return lax.stop_gradient(v.w) + v.delta() if stop_w else v.materialize()
+    return jax.tree.map(m, params, is_leaf=lambda v: isinstance(v, lorax.LoraWeight))
+
+
+def _lora_forward(model):
+    return lorax.lora(model, on_materialize="error")
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_backward_has_no_weight_shaped_dot_or_conv(name):
+    """grad(loss) of a LoRA layer / MLP / scanned MLP / conv: no dot_general or conv
+    anywhere (sub-jaxprs included) produces an array of a weight's shape."""
+    model, params, x_shape = _models()[name]
+    jaxpr = _grad_jaxpr(model, params, x_shape, _lora_forward)
+    assert count_prims(jaxpr, WEIGHT_PRIMS) > 0
+    assert weight_shaped_ops(jaxpr, _weight_shapes(params)) == []
+
+
+@pytest.mark.parametrize("stop_w", [False, True], ids=["materialize", "stop_gradient_w"])
+@pytest.mark.parametrize("name", MODELS)
+def test_negative_control_materialized_weight_is_detected(name, stop_w):
+    """The same walker finds weight-shaped ops when the loss uses the merged weight,
+    with `w` trainable (`lw.materialize()`) or frozen (`stop_gradient(w) + delta`, which
+    is what the materializing fallback computes): the check above is not vacuous."""
+    model, params, x_shape = _models()[name]
+
+    def forward(model):
+        return lambda params, x: model(_materialized(params, stop_w), x)
+
+    jaxpr = _grad_jaxpr(model, params, x_shape, forward)
+    assert weight_shaped_ops(jaxpr, _weight_shapes(params))
+
+
+def test_negative_control_materializing_dot_rule_is_detected(monkeypatch):
+    """Swap the one-sided dot rule's core for one that materializes the weight: the
+    backward check must then fail (and values stay right, so only structure tells)."""
+
+    def materializing(lw, lwl, x, xl, out, lora_first, fresh, **params):
+        merged = lw.materialise()
+        if lora_first:
+            y, yl = contract_mod.contract(merged, lwl, x, xl, out, **params)
+        else:
+            y, yl = contract_mod.contract(x, xl, merged, lwl, out, **params)
+        return contract_mod.arrange(y, yl, out)
+
+    model, params, x_shape = _models()["mlp"]
+    x = jnp.asarray(np.random.default_rng(2).standard_normal(x_shape), jnp.float32)
+    expected = _lora_forward(model)(params, x)
+    monkeypatch.setattr(dot_mod, "lora_contract", materializing)
+    np.testing.assert_allclose(_lora_forward(model)(params, x), expected, rtol=1e-5, atol=1e-5)
+    jaxpr = _grad_jaxpr(model, params, x_shape, _lora_forward)
+    assert weight_shaped_ops(jaxpr, _weight_shapes(params))
+
+
+def test_negative_control_conv_fallback_is_detected():
+    """A conv the rule cannot factor (`O` in the middle of the kernel layout) goes
+    through the materializing fallback: the walker sees the weight-shaped ops."""
+    rng = np.random.default_rng(3)
+    kernel = _lora(rng, (3, 5, 3, 4), (0, 2, 2))  # HOWI: O is not a factor group
+
+    def f(params, x):
+        return lax.conv_general_dilated(
+            x, params["kernel"], (1, 1), "SAME", dimension_numbers=("NHWC", "HOWI", "NHWC"))
+
+    params = {"kernel": kernel}
+    jaxpr = _grad_jaxpr(f, params, (2, 7, 7, 4),
+                        lambda m: lorax.lora(m, on_materialize="allow"))
+    assert weight_shaped_ops(jaxpr, _weight_shapes(params))
+
+
+# -- forward: operand order and no activation transposes ---------------------------------------
+
+
+def activation_flow(closed, activation_invars) -> Iterator[tuple[jex.JaxprEqn, list[bool]]]:
+    """Yield `(eqn, [is each input activation-derived])` for every equation, tracking
+    which values depend on the activation through sub-jaxprs whose inputs map
+    one-to-one onto the equation's (jit, scan, remat, custom_jvp_call, ...)."""
+    jaxpr = closed.jaxpr if isinstance(closed, jex.ClosedJaxpr) else closed
+    flags = {v: True for v in activation_invars}
+
+    def is_act(v):
+        return isinstance(v, jex.Var) and flags.get(v, False)
+
+    for eqn in jaxpr.eqns:
+        in_flags = [is_act(v) for v in eqn.invars]
+        yield eqn, in_flags
+        out_flags = [any(in_flags)] * len(eqn.outvars)
+        for value in eqn.params.values():
+            for sub in _sub_jaxprs(value):
+                if len(sub.invars) == len(eqn.invars):
+                    act = [v for v, f in zip(sub.invars, in_flags) if f]
+                else:  # unknown plumbing: be conservative
+                    act = list(sub.invars) if any(in_flags) else []
+                yield from activation_flow(sub, act)
+        for v, f in zip(eqn.outvars, out_flags):
+            flags[v] = f
+
+
+FORWARD_CASES = {
+    # name: (f(w, x), w shape, structure, x shape, activation side in the caller's dots)
+    "x@W": (lambda w, x: x @ w, (D_IN, D_HID), (0, 1, 1), (B, D_IN), "lhs"),
+    "x@W.T": (lambda w, x: x @ w.T, (D_HID, D_IN), (0, 1, 1), (B, D_IN), "lhs"),
+    "W@x": (lambda w, x: w @ x, (D_HID, D_IN), (0, 1, 1), (D_IN, B), "rhs"),
+    "bsd,dhk->bshk": (lambda w, x: jnp.einsum("bsd,dhk->bshk", x, w), (D_IN, 3, 4), (0, 1, 2),
+                      (B, 3, D_IN), "lhs"),
+    "bshk,hkd->bsd": (lambda w, x: jnp.einsum("bshk,hkd->bsd", x, w), (3, 4, D_IN), (0, 2, 1),
+                      (B, 7, 3, 4), "lhs"),
+    "stacked ebi,eio->ebo": (lambda w, x: jnp.einsum("ebi,eio->ebo", x, w), (3, D_IN, D_HID),
+                             (1, 1, 1), (3, B, D_IN), "lhs"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(FORWARD_CASES))
+def test_forward_keeps_operand_order_and_transposes_no_activation(name):
+    """In the forward jaxpr, every dot touching the activation has it on the side the
+    caller put it (no dot has `x`, or anything computed from it, on the other side),
+    and no `transpose` is applied to anything computed from the activation."""
+    f, w_shape, structure, x_shape, side = FORWARD_CASES[name]
+    lw = _lora(np.random.default_rng(4), w_shape, structure)
+    jaxpr = jax.make_jaxpr(lorax.lora(f, on_materialize="error"))(lw, jnp.ones(x_shape))
+    x_var = jaxpr.jaxpr.invars[-1]
+    assert x_var.aval.shape == x_shape
+
+    dots = 0
+    wrong = ("rhs", 1) if side == "lhs" else ("lhs", 0)
+    for eqn, in_flags in activation_flow(jaxpr, [x_var]):
+        if eqn.primitive.name == "dot_general" and any(in_flags):
+            dots += 1
+            assert not in_flags[wrong[1]], (
+                f"activation-derived {wrong[0]} in {eqn}")
+        assert not (eqn.primitive.name == "transpose" and any(in_flags)), (
+            f"activation transposed: {eqn}")
+    # The base dot and both low-rank dots all read the activation.
+    assert dots >= 3
+
+
+def test_forward_order_check_detects_a_swapped_dot():
+    """Negative control: `W^T @ x^T`-style code that puts the activation on the
+    wrong side, or transposes it, is flagged by the same walk."""
+    w = jnp.ones((D_IN, D_HID))
+
+    def f(x):
+        return (w.T @ x.T).T  # dense, activation transposed and used as rhs
+
+    jaxpr = jax.make_jaxpr(f)(jnp.ones((B, D_IN)))
+    flows = list(activation_flow(jaxpr, [jaxpr.jaxpr.invars[0]]))
+    assert any(e.primitive.name == "transpose" and any(fl) for e, fl in flows)
+    assert any(e.primitive.name == "dot_general" and fl[1] for e, fl in flows)
