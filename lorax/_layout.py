@@ -103,7 +103,11 @@ def _(lhs: ArrayLike, rhs: _Probe, *, dimension_numbers: Any, **params: Any) -> 
 def _(operand: _Probe, indices: ArrayLike, *, dimension_numbers: Any, slice_sizes: Any,
       **params: Any) -> Any:
     dn = dimension_numbers
-    looked_up = {*dn.start_index_map, *dn.collapsed_slice_dims}
+    # An index into an axis the gather takes whole (vmapped `w[i]` indexes every
+    # axis, starting the columns at 0) looks nothing up there.
+    shape = operand.w.shape
+    looked_up = {d for d in dn.start_index_map if slice_sizes[d] != shape[d]}
+    looked_up |= set(dn.collapsed_slice_dims)
     _record(operand, set(dn.operand_batching_dims), looked_up, "gather")
     return lax.gather_p.bind(operand.w, indices, dimension_numbers=dn, slice_sizes=slice_sizes, **params)
 
