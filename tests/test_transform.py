@@ -268,7 +268,7 @@ def test_checkpoint_inside_fn(lw, x):
         block = jax.checkpoint(lambda w, x: jnp.sin(x @ w) @ w.T, policy=policy)
         return block(w, x)
 
-    check(f, lw, x, eager_grad=True)
+    check(f, lw, x)
     fn = lorax.lora(f, on_materialize="error")
     loss = lambda lw: jnp.sum(fn(lw, x) ** 2)  # noqa: E731
     grad_jaxpr = jax.make_jaxpr(jax.grad(loss))(lw).jaxpr
@@ -369,7 +369,8 @@ def test_while_loop_values_and_forward_mode(x):
 # -- custom_jvp / custom_vjp ------------------------------------------------------------
 
 
-@pytest.mark.parametrize("act", [jax.nn.relu, jax.nn.gelu, jax.nn.silu], ids=["relu", "gelu", "silu"])
+@pytest.mark.parametrize("act", [jax.nn.relu, jax.nn.gelu, pytest.param(jax.nn.silu, marks=pytest.mark.slow)],
+                         ids=["relu", "gelu", "silu"])
 def test_activations(lw, x, act):
     check(lambda w, x: act(x @ w), lw, x)
 
@@ -401,8 +402,9 @@ def test_custom_derivative_on_activations(lw, x, custom, factor):
     check(f, lw, x)
     # The custom rule is really used: gradients are `factor` times the plain ones.
     g = lorax.lora(f, on_materialize="error")
-    got = jax.grad(lambda lw: jnp.sum(g(lw, x)))(lw)
-    plain_grad = jax.grad(lambda lw: jnp.sum(jnp.tanh(plain(x @ lw.materialize()))))(lw)
+    got, plain_grad = jax.jit(lambda lw: (
+        jax.grad(lambda lw: jnp.sum(g(lw, x)))(lw),
+        jax.grad(lambda lw: jnp.sum(jnp.tanh(plain(x @ lw.materialize()))))(lw)))(lw)
     assert_close(got.a, factor * plain_grad.a)
     assert_close(got.b, factor * plain_grad.b)
 
@@ -478,8 +480,8 @@ def test_lora_weights_nested_in_pytrees_and_kwargs(x):
 
     tree = ([{"layers": [{"w": w1}, (w2,)]}], (jnp.int32(3), jnp.ones(3)))
     kwargs = dict(extra={"w3": w3}, scale=2.0)
-    out = lorax.lora(f, on_materialize="error")(tree, x, **kwargs)
-    ref = f(dense(tree), x, extra=dense(kwargs["extra"]), scale=2.0)
+    out = lorax.lora(f, on_materialize="error")(tree, x, **kwargs)  # real kwargs
+    ref = jax.jit(lambda t, e: f(dense(t), x, extra=dense(e), scale=2.0))(tree, kwargs["extra"])
     assert jax.tree.structure(out) == jax.tree.structure(ref)
     jax.tree.map(assert_close, out, ref)
 

@@ -158,7 +158,8 @@ IDS = {
 
 @pytest.mark.parametrize("ids", IDS.values(), ids=IDS.keys())
 @pytest.mark.parametrize(
-    "lookup", [lambda E, i: E[i], lambda E, i: jnp.take(E, i, axis=0)], ids=["index", "take"]
+    "lookup", [lambda E, i: E[i], pytest.param(lambda E, i: jnp.take(E, i, axis=0), marks=pytest.mark.slow)],
+    ids=["index", "take"],
 )
 def test_row_lookup(emb, ids, lookup):
     ids = put(ids)
@@ -275,6 +276,7 @@ def test_lookup_in_every_layer_of_a_stack(stack):
 def test_vmapped_scalar_lookup(emb, emb_t):
     ids = put(IDS["matrix"])
     check(lambda E, i: jax.vmap(jax.vmap(lambda t: E[t]))(i), emb, ids)
+    check(lambda E, i: jax.vmap(lambda t: jnp.take(E, t, axis=0))(i), emb, ids, grad=False)
     check(lambda E, i: jax.vmap(lambda t: E[:, t])(i[0]), emb_t, ids, grad=False)
 
 

@@ -204,12 +204,12 @@ def test_tied_embedding_logits_stay_low_rank():
     [
         ((), (6,), (3, 2), (0, 2, 1), True),  # DenseGeneral kernel: permute N axes
         ((), (6,), (3, 2), (1, 2, 0), True),  # full M <-> N swap
-        ((), (6,), (3, 2), (2, 1, 0), True),  # swap and permute
+        pytest.param(*((), (6,), (3, 2), (2, 1, 0), True), marks=pytest.mark.slow),  # swap and permute
         ((), (3, 2), (4,), (2, 0, 1), True),  # multi-axis M to the back
-        ((), (3, 2), (4,), (1, 0, 2), True),  # permute M axes
+        pytest.param(*((), (3, 2), (4,), (1, 0, 2), True), marks=pytest.mark.slow),  # permute M axes
         ((), (3, 2), (4,), (0, 2, 1), False),  # splits M around N
-        ((4,), (5,), (3,), (0, 2, 1), True),  # stacked transpose
-        ((2, 3), (4,), (5,), (1, 0, 2, 3), True),  # permute batch axes
+        pytest.param(*((4,), (5,), (3,), (0, 2, 1), True), marks=pytest.mark.slow),  # stacked transpose
+        pytest.param(*((2, 3), (4,), (5,), (1, 0, 2, 3), True), marks=pytest.mark.slow),  # permute batch axes
         ((2, 3), (4,), (5,), (1, 0, 3, 2), True),  # permute batch and swap
         ((4,), (5,), (3,), (1, 0, 2), False),  # M axis becomes a batch axis
     ],
@@ -332,7 +332,8 @@ def test_dense_general_kernel_reshape_round_trip():
 
 
 @pytest.mark.parametrize(
-    "f", [lambda w: w[None], lambda w: jnp.expand_dims(w, 0), lambda w: w.reshape(1, 6, 4)],
+    "f", [lambda w: w[None], lambda w: jnp.expand_dims(w, 0),
+          pytest.param(lambda w: w.reshape(1, 6, 4), marks=pytest.mark.slow)],
     ids=["none_index", "expand_dims", "reshape"],
 )
 def test_add_leading_unit_batch_axis(lw, f):
@@ -342,7 +343,8 @@ def test_add_leading_unit_batch_axis(lw, f):
 
 
 @pytest.mark.parametrize(
-    "f", [lambda w: w[0], lambda w: jnp.squeeze(w, 0), lambda w: w.reshape(6, 4)],
+    "f", [lambda w: w[0], lambda w: jnp.squeeze(w, 0),
+          pytest.param(lambda w: w.reshape(6, 4), marks=pytest.mark.slow)],
     ids=["index", "squeeze", "reshape"],
 )
 def test_remove_leading_unit_batch_axis(f):
@@ -412,7 +414,7 @@ def test_reshape_property(structure, data):
         (lambda E, i: E[i], (jnp.int32(4),)),
         (lambda E: E[:, 2], ()),
         (lambda E, j: E[:, j], (jnp.int32(1),)),
-        (lambda E: E[-1], ()),
+        pytest.param(lambda E: E[-1], (), marks=pytest.mark.slow),
     ],
     ids=["row_static", "row_traced", "col_static", "col_traced", "row_negative"],
 )
@@ -441,13 +443,14 @@ def test_single_element_of_a_stack(stack):
     "f, args, shape",
     [
         (lambda s: s[1], (), (5, 3)),
-        (lambda s: s[-1], (), (5, 3)),
+        pytest.param(lambda s: s[-1], (), (5, 3), marks=pytest.mark.slow),
         (lambda s, i: s[i], (jnp.int32(2),), (5, 3)),
         (lambda s: s[1:3], (), (2, 5, 3)),
         (lambda s: s[::2], (), (2, 5, 3)),
         (lambda s, i: lax.dynamic_slice(s, (i, 0, 0), (2, 5, 3)), (jnp.int32(1),), (2, 5, 3)),
         (lambda s, i: lax.dynamic_slice(s, (i, 0, 0), (2, 5, 3)), (jnp.int32(9),), (2, 5, 3)),  # clamped
-        (lambda s, i: lax.dynamic_index_in_dim(s, i, keepdims=False), (jnp.int32(3),), (5, 3)),
+        pytest.param(lambda s, i: lax.dynamic_index_in_dim(s, i, keepdims=False), (jnp.int32(3),), (5, 3),
+                     marks=pytest.mark.slow),
     ],
     ids=["static", "negative", "traced", "range", "strided", "dynamic_slice", "dynamic_slice_clamped",
          "dynamic_index"],
@@ -471,7 +474,7 @@ def test_traced_layer_index_under_jit(stack):
         (lambda w: w[1:4], ()),
         (lambda w: w[:, 1:3], ()),
         (lambda w: w[::2, ::3], ()),
-        (lambda w: w[1:, -2:], ()),
+        pytest.param(lambda w: w[1:, -2:], (), marks=pytest.mark.slow),
         (lambda w, i, j: lax.dynamic_slice(w, (i, j), (3, 2)), (jnp.int32(2), jnp.int32(1))),
         (lambda w, i: lax.dynamic_slice(w, (0, i), (6, 2)), (jnp.int32(7),)),  # clamped
     ],
