@@ -8,9 +8,10 @@ apply, and `materialize_fallback` is what happens to primitives with no rule.
 from __future__ import annotations
 
 import contextlib
+import functools
 import contextvars
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Literal
 
 import jax
@@ -36,7 +37,29 @@ __all__ = [
 
 ArrayValue = quax.ArrayValue
 register = quax.register
-transform = quax.quaxify
+
+
+def transform(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`fn` re-traced by quax so that registered rules apply to `Value` arguments.
+
+    Pytrees are flattened here, outside quax: quax maps over its arguments while no
+    JAX trace is current (JAX >= 0.11), and pytree nodes that look at the current
+    trace when rebuilt (Flax NNX `Variable`s) fail there.
+    """
+
+    def flat_fn(treedef: Any, out: list, *leaves: Any) -> list:
+        args, kwargs = jax.tree_util.tree_unflatten(treedef, leaves)
+        out_leaves, out_tree = jax.tree_util.tree_flatten(fn(*args, **kwargs), is_leaf=is_value)
+        out.append(out_tree)
+        return out_leaves
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        leaves, treedef = jax.tree_util.tree_flatten((args, kwargs), is_leaf=is_value)
+        out: list = []
+        out_leaves = quax.quaxify(functools.partial(flat_fn, treedef, out))(*leaves)
+        return jax.tree_util.tree_unflatten(out[-1], out_leaves)
+
+    return call
 
 MaterializePolicy = Literal["warn", "error", "allow"]
 _POLICIES = ("warn", "error", "allow")
