@@ -44,7 +44,7 @@ def _plain(line: str) -> str:
 
 
 def load_plays() -> tuple[dict[str, str], dict[str, str]]:
-    """`(train, held_out)`: play name -> plain text; 36 plays to train on, Hamlet and The Tempest held out."""
+    """`(train, held_out)`, each play name -> plain text; Hamlet and The Tempest are held out."""
     texts = {name: to_text(path.read_text(encoding="utf-8")) for name, path in play_files().items()}
     missing = set(HELD_OUT) - set(texts)
     if missing:
@@ -60,7 +60,7 @@ def tokenize(tokenizer, texts: dict[str, str], sep_id: int) -> np.ndarray:
 
 
 def train_batches(tokens: np.ndarray, batch: int, seq: int, seed: int):
-    """Endless `(batch, seq + 1)` windows at random offsets: inputs are `[:, :-1]`, targets `[:, 1:]`."""
+    """Endless `(batch, seq + 1)` windows at random offsets; inputs `[:, :-1]`, targets `[:, 1:]`."""
     rng = np.random.default_rng(seed)
     while True:
         starts = rng.integers(0, len(tokens) - seq - 1, size=batch)

@@ -10,7 +10,12 @@ from __future__ import annotations
 import importlib.util
 import os
 
+from typing import TYPE_CHECKING
+
 import numpy as np
+
+if TYPE_CHECKING:
+    import tokenizers
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -42,7 +47,7 @@ def _unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, head_dim // 2, 2, inp).swapaxes(1, 2).reshape(out, inp)
 
 
-def load(path: str | None = None) -> tuple[dict, dict, "tokenizers.Tokenizer"]:
+def load(path: str | None = None) -> tuple[dict, dict, tokenizers.Tokenizer]:
     """Return `(params, config, tokenizer)` with params as a dict of float32 numpy arrays."""
     import gguf
 
@@ -61,6 +66,8 @@ def load(path: str | None = None) -> tuple[dict, dict, "tokenizers.Tokenizer"]:
         "vocab": int(meta[f"{arch}.vocab_size"]),
     }
 
+    if int(meta.get(f"{arch}.rope.dimension_count", 0)) not in (0, config["dim"] // config["n_heads"]):
+        raise ValueError("partial rotary embeddings are not supported")
     tensors = {t.name: t for t in reader.tensors}
     if "output.weight" in tensors:
         raise ValueError("this loader expects tied embeddings (no output.weight)")
@@ -88,8 +95,8 @@ def load(path: str | None = None) -> tuple[dict, dict, "tokenizers.Tokenizer"]:
     return params, config, tokenizer(reader)
 
 
-def tokenizer(reader=None) -> "tokenizers.Tokenizer":
-    """The GGUF's byte-level BPE as a `tokenizers.Tokenizer`; `reader` is a `GGUFReader` or a path."""
+def tokenizer(reader=None) -> tokenizers.Tokenizer:
+    """The GGUF's byte-level BPE tokenizer; `reader` is a `GGUFReader`, a path or None."""
     import gguf
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 

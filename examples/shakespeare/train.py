@@ -54,7 +54,7 @@ def parse_args(argv):
     args.targets = tuple(t.strip() for t in args.targets.split(",") if t.strip())
     unknown = set(args.targets) - set(TARGETS)
     if unknown or not args.targets:
-        p.error(f"--targets must be a non-empty subset of {','.join(TARGETS)}, got {sorted(unknown)}")
+        p.error(f"--targets: choose from {','.join(TARGETS)} (got unknown {sorted(unknown)})")
     return args
 
 
@@ -66,9 +66,11 @@ def init_stacked_lora(params, targets, rank, alpha, key):
     `init_lora` factors every axis but the last as the input side, so for now the
     per-layer factors are built here: `b: (L, in, k)` zeros, `a: (L, k, out)` ~ N(0, 0.01²).
     """
-    spec = lorax.simple_spec(
-        params, lambda path, w: rank if path.split("/")[0] == "layers" and path.split("/")[-1] in targets
-        else lorax.LORA_FREEZE)
+    def decide(path, w):
+        parts = path.split("/")
+        return rank if parts[0] == "layers" and parts[-1] in targets else lorax.LORA_FREEZE
+
+    spec = lorax.simple_spec(params, decide)
     keys = iter(jax.random.split(key, len(targets)))
 
     def make(spec_val, w):
@@ -126,11 +128,12 @@ class _SimpleBar:
 
 
 def compiled_bytes(compiled):
+    """`(arguments, temporaries)` in bytes from XLA's buffer assignment for `compiled`."""
     m = compiled.memory_analysis()
     if m is None:  # not every backend reports it
-        return float("nan")
-    return (m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
-            + m.temp_size_in_bytes)
+        return float("nan"), float("nan")
+    # Donated outputs alias their inputs, so arguments bound the persistent state.
+    return m.argument_size_in_bytes, m.temp_size_in_bytes
 
 
 def shapes(tree):
@@ -148,7 +151,10 @@ def save_loss_curve(losses, ppl_before, ppl_after, path):
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot(range(1, len(losses) + 1), losses, label="train loss (batch)")
+    steps = np.arange(1, len(losses) + 1)
+    ax.plot(steps, losses, alpha=0.4, label="train loss (batch)")
+    smooth = np.convolve(losses, np.ones(5) / 5, mode="valid") if len(losses) >= 5 else losses
+    ax.plot(steps[len(steps) - len(smooth):], smooth, label="train loss (5-step mean)")
     ax.plot([0, len(losses)], np.log([ppl_before, ppl_after]), "o--",
             label="held-out loss (Hamlet, The Tempest)")
     ax.set_xlabel("step")
@@ -284,8 +290,10 @@ def main(argv=None):
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
     step_time = float(np.median(step_times[1:] or step_times))
     print(f"step time {step_time:.2f} s (median), {args.batch}x{args.seq} tokens per step")
-    print(f"peak RSS {mib(rss)}; XLA estimate per step: LoRA {mib(mem_lora)}, "
-          f"full fine-tuning {mib(mem_full)}")
+    print(f"peak RSS {mib(rss)}; XLA's estimate for one step, parameters + optimizer "
+          f"state + temporaries: LoRA {mib(mem_lora[0])} + {mib(mem_lora[1])} = "
+          f"{mib(sum(mem_lora))}, full fine-tuning {mib(mem_full[0])} + {mib(mem_full[1])} = "
+          f"{mib(sum(mem_full))}")
     print("time: " + ", ".join(f"{k} {v:.1f}s" for k, v in times.items())
           + f"; total {sum(times.values()):.1f}s")
     # CPU seconds over all threads: alone on 2 cores, wall time lies between this and
@@ -295,7 +303,7 @@ def main(argv=None):
     return {
         "ppl_before": ppl_before, "ppl_after": ppl_after, "losses": losses,
         "trainable_params": n_train, "total_params": n_total, "step_time_s": step_time,
-        "peak_rss_bytes": rss, "xla_bytes_lora": mem_lora, "xla_bytes_full": mem_full,
+        "peak_rss_bytes": rss, "xla_bytes_lora": sum(mem_lora), "xla_bytes_full": sum(mem_full),
         "times_s": times, "cpu_times_s": cpu_times,
         "sample_before": sample_before, "sample_after": sample_after,
         "adapter": str(adapter), "loss_curve": str(curve),

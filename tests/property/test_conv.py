@@ -213,7 +213,7 @@ def test_conv_named_layouts(case, dtype_key):
     seed = sorted(LAYOUT_CASES).index(case)
     rng = np.random.default_rng(seed)
     x = _rand(rng, lhs_shape, dtypes[0])
-    lw = conv_kernel_lora(rng, kernel_shape, dn[1].index("O"), 2, 2.0, dtypes)
+    lw = conv_kernel_lora(rng, kernel_shape, dn[1].index("O"), 2, 3.0, dtypes)  # scale 1.5
     check_conv(_conv_fn(dn, params), x, lw, seed, eager=dtype_key == "f32")
 
 
