@@ -17,8 +17,8 @@ import ml_dtypes
 import numpy as np
 
 from ._spec import LORA_FREEZE, LORA_FULL, LoraSpec, check_spec_structure
-from ._sharding import place_factors
-from ._weight import LoraWeight
+from ._sharding import factor_shardings, place_host_array
+from ._weight import LoraWeight, factor_structure
 
 _FORMAT = "lorax-adapter/1"
 _DTYPES = {
@@ -68,6 +68,27 @@ def _read_safetensors(path: str | os.PathLike) -> tuple[dict[str, np.ndarray], d
     return tensors, metadata
 
 
+def _to_host(x: Any) -> np.ndarray:
+    """The whole of `x` as a host array, on one host or several."""
+    if getattr(x, "is_fully_addressable", True):
+        return np.asarray(x)
+    if x.is_fully_replicated:
+        return np.asarray(x.addressable_data(0))
+    # Shards live on other processes' devices: gathering them is a collective,
+    # so every process must be here (see `save_adapter`).
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+def _array_sharding(x: Any) -> Any:
+    """`x`'s sharding if it spans several devices (one device: JAX's default placement)."""
+    sharding = getattr(x, "sharding", None)
+    if isinstance(sharding, jax.sharding.Sharding) and len(sharding.device_set) > 1:
+        return sharding
+    return None
+
+
 def save_adapter(path: str | os.PathLike, lora_params: Any, spec: Any,
                  metadata: dict[str, str] | None = None) -> None:
     """Save the trainable part of `lora_params` (factors + fully-tuned leaves) to one file.
@@ -76,6 +97,10 @@ def save_adapter(path: str | os.PathLike, lora_params: Any, spec: Any,
     (`"['layer']['kernel'].a"`), and its metadata records each entry's path, rank,
     alpha, factorisation and dtypes, plus the lorax version. Frozen weights are not
     saved: [`lorax.load_adapter`][] puts the adapter back onto a base parameter tree.
+
+    Sharded factors are gathered to the host first. With several processes
+    (`jax.distributed.initialize`) every process must call `save_adapter` (gathering
+    shards held by other hosts is a collective) and process 0 alone writes the file.
 
     **Arguments:**
 
@@ -112,17 +137,18 @@ def save_adapter(path: str | os.PathLike, lora_params: Any, spec: Any,
         key = jax.tree_util.keystr(key_path)
         if _is_lora(leaf):
             nb, nm, _ = leaf.structure
-            tensors[key + ".a"] = np.asarray(leaf.a)
-            tensors[key + ".b"] = np.asarray(leaf.b)
+            tensors[key + ".a"] = _to_host(leaf.a)
+            tensors[key + ".b"] = _to_host(leaf.b)
             entries.append(dict(path=key, kind="lora", rank=leaf.rank, alpha=leaf.alpha,
                                 batch_ndim=nb, m_ndim=nm, w_shape=list(leaf.w.shape),
                                 w_dtype=str(leaf.w.dtype)))
         elif spec_val == LORA_FULL:
-            tensors[key] = np.asarray(leaf)
+            tensors[key] = _to_host(leaf)
             entries.append(dict(path=key, kind="full", shape=list(np.shape(leaf))))
     meta = {"format": _FORMAT, "lorax_version": __version__, "entries": json.dumps(entries)}
     meta.update(metadata or {})
-    _write_safetensors(path, tensors, meta)
+    if jax.process_index() == 0:
+        _write_safetensors(path, tensors, meta)
 
 
 def load_adapter(path: str | os.PathLike, base_params: Any) -> tuple[Any, Any]:
@@ -138,6 +164,10 @@ def load_adapter(path: str | os.PathLike, base_params: Any) -> tuple[Any, Any]:
 
     `(lora_params, spec)`: the LoRA parameter tree (base arrays are reused, not
     copied) and a spec for it (`LoraSpec` entries, `LORA_FULL`, `LORA_FREEZE`).
+    Loaded arrays are placed shard by shard: factors on the shardings
+    [`lorax.init_lora`][] derives from a `NamedSharding`-sharded `w` (or, for a
+    LoRA tree, on its factors' current shardings), fully-tuned leaves on the base
+    leaf's sharding. Each process reads the whole file and keeps its own shards.
 
     **Raises:**
 
@@ -168,7 +198,7 @@ def load_adapter(path: str | os.PathLike, base_params: Any) -> tuple[Any, Any]:
             if tuple(np.shape(base)) != tuple(arr.shape):
                 raise ValueError(f"load_adapter: {key} has shape {tuple(np.shape(base))} in the "
                                  f"base but {tuple(arr.shape)} in the adapter.")
-            leaves[i], spec[i] = jax.numpy.asarray(arr), LORA_FULL
+            leaves[i], spec[i] = place_host_array(arr, _array_sharding(base)), LORA_FULL
             continue
         w = base.w if _is_lora(base) else base
         if tuple(np.shape(w)) != tuple(e["w_shape"]):
@@ -177,8 +207,22 @@ def load_adapter(path: str | os.PathLike, base_params: Any) -> tuple[Any, Any]:
         if _is_lora(base) and base.rank != e["rank"]:
             raise ValueError(f"load_adapter: {key} has rank {base.rank} in the given LoRA "
                              f"parameters but rank {e['rank']} in the adapter.")
-        a, b = jax.numpy.asarray(tensors[key + ".a"]), jax.numpy.asarray(tensors[key + ".b"])
-        a, b = place_factors(w, a, b, e["batch_ndim"], e["m_ndim"])
+        if _is_lora(base):
+            a_sharding, b_sharding = _array_sharding(base.a), _array_sharding(base.b)
+        else:
+            try:
+                a_sharding, b_sharding = (
+                    factor_shardings(w, e["batch_ndim"], e["m_ndim"]) or (None, None))
+            except ValueError as err:
+                raise ValueError(f"load_adapter: {key}: {err}") from None
+        a_arr, b_arr = tensors[key + ".a"], tensors[key + ".b"]
+        try:
+            # Before placing: factors that do not fit `w` would otherwise fail
+            # inside the placement with an error about shards, not shapes.
+            factor_structure(tuple(np.shape(w)), a_arr.shape, b_arr.shape)
+        except ValueError as err:
+            raise ValueError(f"load_adapter: {key}: {err}") from None
+        a, b = place_host_array(a_arr, a_sharding), place_host_array(b_arr, b_sharding)
         try:
             leaves[i] = LoraWeight(w, a=a, b=b, alpha=e["alpha"])
         except ValueError as err:

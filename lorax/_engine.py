@@ -25,6 +25,7 @@ from quax._values import _DenseArrayValue, _dense
 
 __all__ = [
     "ArrayValue",
+    "ShardMapPlan",
     "MaterializePolicy",
     "LoraMaterializationError",
     "LoraMaterializationWarning",
@@ -32,6 +33,7 @@ __all__ = [
     "materialize_fallback",
     "materialize_policy",
     "register",
+    "register_shard_map_rule",
     "transform",
 ]
 
@@ -97,7 +99,7 @@ def _policy_scope(policy: MaterializePolicy) -> Iterator[None]:
         _policy.reset(token)
 
 
-def _report(name: str, values: Sequence[Any]) -> None:
+def _report(name: str, values: Sequence[Any], why: str | None = None) -> None:
     policy = _policy.get()
     if policy == "allow":
         return
@@ -106,8 +108,10 @@ def _report(name: str, values: Sequence[Any]) -> None:
         for v in values
         if is_value(v) and type(v) is not _DenseArrayValue
     )
+    what = (f"`{name}` has no low-rank rule" if why is None
+            else f"`{name}` cannot stay low-rank ({why})")
     msg = (
-        f"lorax: `{name}` has no low-rank rule, so {shapes} was materialized as "
+        f"lorax: {what}, so {shapes} was materialized as "
         "w + (alpha/k) * b @ a for it. The result is correct but costs a weight-sized "
         "array; pass on_materialize='allow' to `lora` to silence this or 'error' to "
         "forbid it."
@@ -118,10 +122,14 @@ def _report(name: str, values: Sequence[Any]) -> None:
 
 
 def materialize_fallback(
-    primitive: jexc.Primitive, values: Sequence[Any], params: dict[str, Any]
+    primitive: jexc.Primitive, values: Sequence[Any], params: dict[str, Any],
+    why: str | None = None,
 ) -> Any:
-    """The correct-but-dense path for primitives without a low-rank rule."""
-    _report(primitive.name, values)
+    """The correct-but-dense path for primitives without a low-rank rule.
+
+    `why` says, for a primitive that has a rule, why the rule could not apply.
+    """
+    _report(primitive.name, values, why)
     arrays = [type(v).materialise(v) if is_value(v) else v for v in values]
     return primitive.bind(*arrays, **params)
 
@@ -194,3 +202,97 @@ def _process_custom_jvp_call(self: Any, primitive: Any, fun: Any, jvp: Any,
 
 _process_custom_jvp_call.__lorax_wrapped__ = _quax_process_custom_jvp_call  # type: ignore[attr-defined]
 _quax_trace._QuaxTrace.process_custom_jvp_call = _process_custom_jvp_call
+
+
+# -- shard_map -------------------------------------------------------------------
+#
+# `shard_map` never reaches `process_primitive` (so `register` cannot catch it):
+# binding it calls `trace.process_shard_map(prim, fun, args, **params)`, with the
+# body as a function returning a JAX `FlatTree` and the params `mesh`, `in_specs`,
+# `check_vma`, `newly_manual_axes` and `debug_info` (the same on JAX 0.10 and 0.12;
+# a staged `shard_map` inside a jitted body is re-bound through the same path).
+# Quax's trace defines no `process_shard_map`, which is an AttributeError there.
+
+
+class ShardMapPlan:
+    """How to pass `Value` operands through a `shard_map` as plain arrays.
+
+    `leaves[i]` goes in with `in_specs[i]`; `rebuild(leaf_tracers)` turns the
+    per-shard leaves back into the body's operands (a `LoraWeight` from its
+    `w`, `a`, `b`).
+    """
+
+    def __init__(self, leaves: list, in_specs: tuple, rebuild: Callable[[Sequence[Any]], list]):
+        self.leaves = leaves
+        self.in_specs = in_specs
+        self.rebuild = rebuild
+
+
+# A rule returns a `ShardMapPlan`, or a string saying why the operands cannot be
+# passed through low-rank (the fallback then materializes them).
+_shard_map_rule: Callable[[Sequence[Any], tuple], ShardMapPlan | str] | None = None
+
+
+def register_shard_map_rule(
+    rule: Callable[[Sequence[Any], tuple], ShardMapPlan | str],
+) -> Callable[[Sequence[Any], tuple], ShardMapPlan | str]:
+    """Install `rule(operands, in_specs)` for `shard_map`s that receive a `Value`.
+
+    `operands` holds plain arrays and non-dense `Value`s.
+    """
+    global _shard_map_rule
+    _shard_map_rule = rule
+    return rule
+
+
+def _process_shard_map(self: Any, prim: Any, fun: Callable[..., Any],
+                       tracers: Sequence[Any], /, **params: Any) -> Any:
+    values = [self.to_value(t) for t in tracers]
+    operands = [v.array if type(v) is _DenseArrayValue else v for v in values]
+    in_specs = tuple(params["in_specs"])
+    plan: ShardMapPlan | str = ShardMapPlan(operands, in_specs, list)
+    if any(map(is_value, operands)):
+        plan = ("no shard_map rule is installed" if _shard_map_rule is None
+                else _shard_map_rule(operands, in_specs))
+    if isinstance(plan, str):
+        # Correct but dense: the body then sees each weight's shard of W + BA.
+        _report(prim.name, values, plan)
+        with _core.set_current_trace(self.parent_trace):
+            arrays = [type(v).materialise(v) if is_value(v) else v for v in operands]
+        plan = ShardMapPlan(arrays, in_specs, list)
+
+    def body(*leaves: Any) -> Any:
+        # Runs on the shard_map's inner trace. The body is traced again under a
+        # quax trace with *this* trace's tag (as JAX's own JVP rule does), so the
+        # rebuilt per-shard `LoraWeight`s go through the rules and so does any
+        # `LoraWeight` the body closes over instead of taking as an argument.
+        # `fun` returns a FlatTree whose leaves are the outputs and whose aux
+        # carries the out_specs (and, under AD, more bookkeeping): keep all of it
+        # and swap the leaves only.
+        with _core.take_current_trace() as inner:
+            trace = _quax_trace._QuaxTrace(inner, self.tag)
+            args = [_quax_trace._QuaxTracer(trace, v if is_value(v) else _dense(v))
+                    for v in plan.rebuild(leaves)]
+            with _core.set_current_trace(trace):
+                result = fun(*args)
+                outs = [trace.to_value(t) for t in result.vals]
+        outs = [v.array if type(v) is _DenseArrayValue else v for v in outs]
+        if any(map(is_value, outs)):
+            # An out_spec describes W's layout; a `LoraWeight` output has no
+            # per-factor spec to go with it.
+            _report(prim.name, outs, "a LoraWeight leaves the shard_map body, as an output "
+                    "or as a residual for AD (jax.grad inside lora(...); put it outside)")
+            outs = [type(v).materialise(v) if is_value(v) else v for v in outs]
+        return result.update(outs)
+
+    debug_info = params.get("debug_info")
+    if len(plan.leaves) != len(operands) and hasattr(debug_info, "with_unknown_names"):
+        # The arguments are now the factors too: the caller's names no longer line up.
+        params = dict(params, debug_info=debug_info.with_unknown_names())
+    params = dict(params, in_specs=plan.in_specs)
+    with _core.set_current_trace(self.parent_trace):
+        out = prim.bind(*plan.leaves, subfuns=(body,), **params)
+    return out.map(lambda x: _quax_trace._QuaxTracer(self, _dense(x)))
+
+
+_quax_trace._QuaxTrace.process_shard_map = _process_shard_map

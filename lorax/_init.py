@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -12,6 +13,18 @@ import jax.numpy as jnp
 from ._spec import LORA_FREEZE, LORA_FULL, LoraSpec, as_lora_spec, check_spec_structure, path_str
 from ._sharding import place_factors
 from ._weight import LoraWeight
+
+
+# One compiled program draws every factor: drawn eagerly, each distinct shape was its own
+# XLA compile (seconds each on CPU for a model with a few weight shapes).
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _draw_factors(rng: jax.Array, shapes: tuple, dtype: Any, stddev: Any) -> list:
+    keys = jax.random.split(rng, max(1, len(shapes)))
+    return [
+        (jax.random.normal(key, a_shape, dtype) * jnp.asarray(stddev, dtype),
+         jnp.zeros(b_shape, dtype))
+        for key, (a_shape, b_shape) in zip(keys, shapes)
+    ]
 
 
 def _check(where: str, spec_val: Any, param: Any) -> LoraSpec | None:
@@ -93,7 +106,8 @@ def init_lora(
       `LoraWeight.alpha = alpha * sqrt(k)`, so merging and saving need nothing else).
     - `rank_axis`: for weights sharded with a `NamedSharding`, the factors follow
       `w`'s sharding (`b` on its batch and `M` axes, `a` on its batch and `N` axes)
-      and the rank axis is replicated; name a mesh axis here to shard it instead.
+      and the rank axis is replicated; name a mesh axis `w` does not use here to
+      shard it instead.
 
     **Returns:**
 
@@ -103,7 +117,8 @@ def init_lora(
     **Raises:**
 
     `ValueError` naming the key path for a rank `<= 0` or `>= min(M, N)`, a rank on
-    a vector or a non-float leaf, or a spec whose tree doesn't match the params'.
+    a vector or a non-float leaf, a spec whose tree doesn't match the params', or a
+    `rank_axis` the weight's sharding already uses.
 
     !!! Example
 
@@ -120,18 +135,24 @@ def init_lora(
     leaves, treedef = jax.tree_util.tree_flatten_with_path(param_tree, is_leaf=is_leaf)
     spec_leaves = treedef.flatten_up_to(spec)
     checked = [_check(path_str(p), s, x) for (p, x), s in zip(leaves, spec_leaves)]
-    keys = iter(jax.random.split(rng, max(1, sum(c is not None for c in checked))))
+    shapes = tuple(
+        ((*x.shape[: c.batch_ndim], c.rank, *x.shape[c.batch_ndim + c.m_ndim :]),
+         (*x.shape[: c.batch_ndim + c.m_ndim], c.rank))
+        for (_, x), c in zip(leaves, checked) if c is not None
+    )
+    factors = iter(_draw_factors(rng, shapes, jnp.dtype(dtype), stddev))
 
     out = []
-    for (_, param), ls in zip(leaves, checked):
+    for (path, param), ls in zip(leaves, checked):
         if ls is None:
             out.append(param)
             continue
         nb, nm, k = ls.batch_ndim, ls.m_ndim, ls.rank
-        shape = param.shape
-        b = jnp.zeros((*shape[: nb + nm], k), dtype=dtype)
-        a = jax.random.normal(next(keys), (*shape[:nb], k, *shape[nb + nm :]), dtype=dtype) * stddev
-        a, b = place_factors(param, a, b, nb, nm, rank_axis)
+        a, b = next(factors)
+        try:
+            a, b = place_factors(param, a, b, nb, nm, rank_axis)
+        except ValueError as err:
+            raise ValueError(f"init_lora: {path_str(path)!r}: {err}") from None
         a_ = alpha if ls.alpha is None else ls.alpha
         out.append(LoraWeight(param, a=a, b=b, alpha=a_ * math.sqrt(k) if rslora else a_))
     return jax.tree_util.tree_unflatten(treedef, out)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -14,20 +15,33 @@ def _is_lora(x: Any) -> bool:
     return isinstance(x, LoraWeight)
 
 
-@jax.jit
-def _merge(w: jax.Array, lw: LoraWeight) -> jax.Array:
+def _merge_impl(w: jax.Array, lw: LoraWeight) -> jax.Array:
     return w + lw.delta()
 
 
-# Only `w` can hold the merged result (same shape and dtype), so only it is donated.
-_merge_donating = jax.jit(_merge.__wrapped__, donate_argnums=0)
+@functools.lru_cache(maxsize=None)
+def _merger(out_sharding: Any, donate: bool) -> Any:
+    # Only `w` can hold the merged result (same shape and dtype), so only it is donated.
+    return jax.jit(_merge_impl, out_shardings=out_sharding, donate_argnums=(0,) if donate else ())
+
+
+def _merge(lw: LoraWeight, donate: bool) -> Any:
+    w = lw.w
+    sharding = None if isinstance(w, jax.core.Tracer) else getattr(w, "sharding", None)
+    # A sharded `w` keeps its sharding: left to propagation, the sum could come out
+    # laid out like `b @ a` (or replicated) and no longer fit the model's shardings.
+    # Single-device arrays keep jit's default placement (an uncommitted `w` stays so).
+    if not isinstance(sharding, jax.sharding.Sharding) or len(sharding.device_set) == 1:
+        sharding = None
+    return _merger(sharding, donate)(w, lw)
 
 
 def merge_params(lora_params: Any, destructive: bool = False) -> Any:
     """Replace every `LoraWeight` by its merged weight `w + (alpha/k) * b @ a`.
 
     The result has the original model's tree structure and dtypes, so it runs in
-    the unmodified model. Non-LoRA leaves are passed through as they are.
+    the unmodified model. Non-LoRA leaves are passed through as they are. A merged
+    weight has its `w`'s sharding (each device adds its own shard of `b @ a`).
 
     **Arguments:**
 
@@ -51,9 +65,8 @@ def merge_params(lora_params: Any, destructive: bool = False) -> Any:
         assert merged["w"].shape == (8, 4)
         ```
     """
-    merge = _merge_donating if destructive else _merge
     return jax.tree_util.tree_map(
-        lambda x: merge(x.w, x) if _is_lora(x) else x, lora_params, is_leaf=_is_lora
+        lambda x: _merge(x, destructive) if _is_lora(x) else x, lora_params, is_leaf=_is_lora
     )
 
 

@@ -5,14 +5,65 @@ on its batch and `N` axes; the rank axis is replicated unless a mesh axis is nam
 for it. With a tensor-parallel `W` (column- or row-sharded) the low-rank path then
 needs at most one small all-reduce of the `(tokens, k)` intermediate, and an
 FSDP-sharded `W` gets FSDP-sharded factors.
+
+The same derivation serves every place a weight's layout is stated: `init_lora` and
+`load_adapter` (a `NamedSharding` on the array), `jax.shard_map` (an in_spec) and
+`with_sharding_constraint` inside a model (see `lorax/_rules/sharding.py`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import jax
+import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
+
+
+def _mesh_axes(entry: Any) -> tuple[Any, ...]:
+    if entry is None or entry is PartitionSpec.UNCONSTRAINED:
+        return ()
+    return tuple(entry) if isinstance(entry, tuple) else (entry,)
+
+
+def factor_specs(
+    spec: Any, ndim: int, n_batch: int, n_m: int, rank_axis: str | None = None
+) -> tuple[PartitionSpec, PartitionSpec]:
+    """`(a_spec, b_spec)` for a weight of rank `ndim` laid out as `spec`.
+
+    Raises `ValueError` (saying what is wrong, for the caller to prefix with the
+    parameter's path) when no factor layout follows from `spec`: a spec longer than
+    the weight, unreduced/reduced axes (a partial sum of `W` has no factor
+    counterpart), or a `rank_axis` that `W` already uses.
+    """
+    if not isinstance(spec, PartitionSpec):
+        raise ValueError(f"expected a PartitionSpec for the weight, got {spec!r}")
+    if getattr(spec, "unreduced", None) or getattr(spec, "reduced", None):
+        raise ValueError(
+            f"the weight's spec {spec} has unreduced/reduced mesh axes; a partial "
+            "sum of the weight has no low-rank counterpart"
+        )
+    entries = tuple(spec)
+    if len(entries) > ndim:
+        raise ValueError(f"the spec {spec} has more entries than the weight has axes ({ndim})")
+    entries += (None,) * (ndim - len(entries))
+    used = {axis for entry in entries for axis in _mesh_axes(entry)}
+    if rank_axis is not None and rank_axis in used:
+        raise ValueError(
+            f"rank_axis {rank_axis!r} already shards the weight (spec {spec}); the "
+            "factors would need it twice. Name a mesh axis the weight does not use."
+        )
+    batch, m, n = entries[:n_batch], entries[n_batch : n_batch + n_m], entries[n_batch + n_m :]
+    return PartitionSpec(*batch, rank_axis, *n), PartitionSpec(*batch, *m, rank_axis)
+
+
+def factor_dims(ndim: int, n_batch: int, n_m: int) -> tuple[dict[int, int], dict[int, int]]:
+    """Where each of `W`'s axes sits in `a` and in `b` (`{w_axis: factor_axis}`)."""
+    a_dims = {d: d if d < n_batch else d - n_m + 1
+              for d in range(ndim) if not n_batch <= d < n_batch + n_m}
+    b_dims = {d: d for d in range(n_batch + n_m)}
+    return a_dims, b_dims
 
 
 def factor_shardings(
@@ -22,17 +73,91 @@ def factor_shardings(
     sharding = getattr(w, "sharding", None)
     if not isinstance(sharding, NamedSharding):
         return None
-    spec = tuple(sharding.spec) + (None,) * (w.ndim - len(sharding.spec))
-    batch, m, n = spec[:n_batch], spec[n_batch : n_batch + n_m], spec[n_batch + n_m :]
-    b_spec = PartitionSpec(*batch, *m, rank_axis)
-    a_spec = PartitionSpec(*batch, rank_axis, *n)
+    a_spec, b_spec = factor_specs(sharding.spec, w.ndim, n_batch, n_m, rank_axis)
     return NamedSharding(sharding.mesh, a_spec), NamedSharding(sharding.mesh, b_spec)
 
 
 def place_factors(w: Any, a: Any, b: Any, n_batch: int, n_m: int,
                   rank_axis: str | None = None) -> tuple[Any, Any]:
-    """`a` and `b` moved onto the shardings derived from `w`'s (unchanged if it has none)."""
+    """`a` and `b` moved onto the shardings derived from `w`'s (unchanged if it has none).
+
+    `device_put` of a value that is the same on every process works across hosts too.
+    """
     shardings = factor_shardings(w, n_batch, n_m, rank_axis)
     if shardings is None:
         return a, b
     return jax.device_put(a, shardings[0]), jax.device_put(b, shardings[1])
+
+
+def place_host_array(x: np.ndarray, sharding: Any) -> Any:
+    """A host array put on `sharding` shard by shard (`None`: the default device).
+
+    `make_array_from_callback` copies each device's slice only, so this works when
+    `sharding` spans devices of other processes too (each process reads the same file).
+    """
+    if sharding is None:
+        return jax.numpy.asarray(x)
+    return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
+
+
+def varying_axes(x: Any) -> frozenset:
+    """The manual mesh axes `x` varies over inside a `shard_map` (empty elsewhere)."""
+    mat = getattr(jax.typeof(x), "mat", None)
+    return frozenset(getattr(mat, "varying", ()))
+
+
+def weight_aval(w: Any, leaves: tuple[Any, ...]) -> Any:
+    """The abstract value of a weight made of `leaves`: `w`'s shape and dtype.
+
+    Inside a `shard_map` with check_vma, it varies over every manual mesh axis one
+    of the leaves varies over: JAX then casts the *other* operands to match
+    before it mixes them with the weight, as it would for a plain `W + BA`.
+    """
+    shape = getattr(w, "shape", None)
+    dtype = getattr(w, "dtype", None)
+    aval = jax.core.ShapedArray(
+        tuple(np.shape(w) if shape is None else shape),
+        jax.numpy.result_type(w) if dtype is None else dtype,
+    )
+    varying = frozenset().union(*map(varying_axes, leaves))
+    if not varying:
+        return aval
+    like = jax.typeof(w)
+    return like.update(weak_type=False, manual_axis_type=like.mat.update(varying=varying))
+
+
+def explicit_axes(x: Any) -> tuple[str, ...]:
+    """The `AxisType.Explicit` axes of the mesh `x` is typed with (none for Auto meshes)."""
+    mesh = getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
+    names = getattr(mesh, "axis_names", ())
+    types = getattr(mesh, "axis_types", ())
+    explicit = getattr(jax.sharding, "AxisType", None)
+    if explicit is None:
+        return ()
+    return tuple(n for n, t in zip(names, types) if t == explicit.Explicit)
+
+
+def check_no_explicit_axes(where: str, args: tuple, kwargs: dict,
+                           is_weight: Callable[[Any], bool]) -> None:
+    """Raise if a weight among a call's arguments is typed on a mesh with Explicit axes.
+
+    With sharding in types every dot must say how its output is sharded when both
+    operands are split along the contraction; the low-rank intermediates `x @ b`
+    have no such annotation in the model to copy, so JAX would stop with a
+    message about the model's own dots. Say what is actually unsupported instead.
+    """
+    named = [(f"argument {i}", a) for i, a in enumerate(args)]
+    named += [(f"keyword argument {k!r}", v) for k, v in kwargs.items()]
+    for name, arg in named:
+        for path, leaf in jax.tree_util.tree_flatten_with_path(arg, is_leaf=is_weight)[0]:
+            if not is_weight(leaf):
+                continue
+            axes = explicit_axes(leaf.w)
+            if axes:
+                raise NotImplementedError(
+                    f"{where}: the LoraWeight at {name}{jax.tree_util.keystr(path)} is "
+                    f"typed on a mesh with Explicit axes {axes} (sharding in types; "
+                    "jax.make_mesh's default). lorax supports Auto mesh axes: build the "
+                    "mesh with axis_types=(jax.sharding.AxisType.Auto,) * n or as "
+                    "jax.sharding.Mesh(devices, names)."
+                )

@@ -122,10 +122,11 @@ def simple_spec(
 
     - `params`: the parameter pytree.
     - `decision_fn`: called as `decision_fn(path, array)` for every floating-point
-      leaf with two or more dimensions, where `path` is a `'key1/key2/0'` string;
-      returns the spec value. Default: freeze everything.
-    - `tune_vectors`: train floating-point 0-d and 1-d leaves (biases, norms) fully
-      instead of freezing them.
+      leaf with two or more axes longer than 1, where `path` is a `'key1/key2/0'`
+      string; returns the spec value. Default: freeze everything.
+    - `tune_vectors`: train floating-point vectors (biases, norms: leaves with at
+      most one axis longer than 1, such as Haiku's `(1, 1, 1, C)` BatchNorm scale)
+      fully instead of freezing them.
     - `is_leaf`: passed to `jax.tree_util`, to stop at custom nodes.
     - `targets`: PEFT-style targeting instead of `decision_fn`: a regex (or list of
       regexes) searched in each path, with `rank=` giving the value for matches; or
@@ -160,7 +161,7 @@ def simple_spec(
     def leaf_spec(path: tuple[Any, ...], arr: Any) -> SpecValue:
         if not _is_float_array(arr):
             return LORA_FREEZE
-        if arr.ndim < 2:
+        if sum(d > 1 for d in arr.shape) < 2:  # no matrix to factor, even if 4-d
             return LORA_FULL if tune_vectors else LORA_FREEZE
         return decision_fn(path_str(path), arr)
 

@@ -2,13 +2,33 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from . import _engine, _rules  # noqa: F401  (importing _rules registers the rules)
+import jax
+from jax import lax
+
+from . import _engine, _rules, _sharding  # noqa: F401  (importing _rules registers the rules)
+from ._weight import LoraWeight
 
 F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _is_lora(x: Any) -> bool:
+    return isinstance(x, LoraWeight)
+
+
+def _freeze(x: Any) -> Any:
+    # W is frozen once, here, rather than by `stop_gradient` inside each rule. Inside a
+    # `lax.scan` over stacked layers JAX hands a loop *input* to the backward pass for
+    # free, but saves any value computed from it per iteration: `stop_gradient(W_i)`
+    # in a rule became a stacked, model-sized copy of every weight. Frozen here, the
+    # rules read the loop input itself, and no body ever sees a differentiable W.
+    if isinstance(x, LoraWeight):
+        return dataclasses.replace(x, w=lax.stop_gradient(x.w))
+    return x
 
 
 def lora(fn: F, *, on_materialize: _engine.MaterializePolicy = "warn") -> F:
@@ -19,9 +39,10 @@ def lora(fn: F, *, on_materialize: _engine.MaterializePolicy = "warn") -> F:
     standing in for the array `w + (alpha / k) * b @ a`, and each primitive that
     touches one is rewritten by a low-rank rule: `dot_general` (any dimension
     numbers), `conv_general_dilated`, `gather`, and shape-only ops that keep the
-    factors apart. The frozen `w` only enters through `lax.stop_gradient`, so
-    gradients reach `a` and `b` only. Works eagerly and under `jax.jit`,
-    `jax.grad`, `jax.vmap`, `jax.checkpoint`, `lax.scan`, `lax.cond`,
+    factors apart. Every `LoraWeight`'s `w` is put behind `lax.stop_gradient`
+    on the way in, so gradients reach `a` and `b` only, the backward pass has no
+    dW matmul, and under `lax.scan` it reads stacked weights without copying
+    them. Works eagerly and under `jax.jit`, `jax.grad`, `jax.vmap`, `jax.checkpoint`, `lax.scan`, `lax.cond`,
     `lax.while_loop` and custom_jvp/custom_vjp functions, inside or outside `fn`.
 
     **Arguments:**
@@ -58,6 +79,8 @@ def lora(fn: F, *, on_materialize: _engine.MaterializePolicy = "warn") -> F:
 
     @functools.wraps(fn)
     def lora_fn(*args: Any, **kwargs: Any) -> Any:
+        _sharding.check_no_explicit_axes("lora", args, kwargs, _is_lora)
+        args, kwargs = jax.tree_util.tree_map(_freeze, (args, kwargs), is_leaf=_is_lora)
         with policy_guard():
             return traced(*args, **kwargs)
 

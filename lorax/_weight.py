@@ -11,6 +11,7 @@ from jax import lax
 from jaxtyping import Array, ArrayLike
 
 from . import _engine
+from ._sharding import weight_aval
 
 
 def factor_structure(
@@ -98,7 +99,7 @@ class LoraWeight(_engine.ArrayValue):
 
     # -- array-ish interface -------------------------------------------------
     def aval(self) -> jax.core.ShapedArray:
-        return jax.core.ShapedArray(_shape(self.w), self.w.dtype)
+        return weight_aval(self.w, (self.w, self.a, self.b))
 
     @property
     def rank(self) -> int:

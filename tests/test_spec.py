@@ -77,3 +77,15 @@ def test_spec_tree_mismatch_names_the_path():
     spec["extra"] = 3
     with pytest.raises(ValueError, match="extra"):
         lorax.init_lora(params, spec, jax.random.PRNGKey(0))
+
+
+def test_tune_vectors_counts_axes_longer_than_one():
+    """Haiku's BatchNorm keeps `(1, 1, 1, C)` scale/offset: vectors, whatever their ndim.
+    A `(1, C)` leaf has no matrix to factor either; `(2, C)` does."""
+    params = {"bn": {"scale": jnp.ones((1, 1, 1, 8)), "offset": jnp.zeros((1, 1, 1, 8))},
+              "row": jnp.ones((1, 8)), "w": jnp.ones((2, 8))}
+    spec = lorax.simple_spec(params, decision_fn=lambda path, w: 1, tune_vectors=True)
+    assert spec == {"bn": {"scale": lorax.LORA_FULL, "offset": lorax.LORA_FULL},
+                    "row": lorax.LORA_FULL, "w": 1}
+    frozen = lorax.simple_spec(params, decision_fn=lambda path, w: 1)
+    assert frozen["bn"] == {"scale": lorax.LORA_FREEZE, "offset": lorax.LORA_FREEZE}

@@ -325,3 +325,69 @@ def test_forward_order_check_detects_a_swapped_dot():
     flows = list(activation_flow(jaxpr, [jaxpr.jaxpr.invars[0]]))
     assert any(e.primitive.name == "transpose" and any(fl) for e, fl in flows)
     assert any(e.primitive.name == "dot_general" and fl[1] for e, fl in flows)
+
+
+# -- scanned layers: the backward pass reads the stacked W, it does not copy it ----------
+
+L_SCAN, D_SCAN = 6, 64
+
+
+def _scanned_model(params, x):
+    def layer(h, w):
+        return jnp.tanh(h @ w["up"]) @ w["down"], None
+
+    return jnp.sum(lax.scan(layer, x, params)[0] ** 2)
+
+
+def _scan_residuals(monkeypatch=None):
+    """Shapes of every stacked per-iteration output of the scans in grad's jaxpr, and
+    the compiled step's temp bytes, for LoRA on stacked `(layers, d, 2d)` kernels."""
+    rng = np.random.default_rng(0)
+    params = {
+        "up": jnp.asarray(rng.standard_normal((L_SCAN, D_SCAN, 2 * D_SCAN)), jnp.float32),
+        "down": jnp.asarray(rng.standard_normal((L_SCAN, 2 * D_SCAN, D_SCAN)), jnp.float32),
+    }
+    x = jnp.ones((B, D_SCAN))
+    spec = lorax.infer_layout(_scanned_model, params, {"up": 2, "down": 2}, x)
+    trainable, frozen = lorax.partition(
+        lorax.init_lora(params, spec, jax.random.PRNGKey(0)), spec)
+    lora_model = lorax.lora(_scanned_model, on_materialize="error")
+
+    def grad(t, f, x):
+        return jax.grad(lambda t: lora_model(lorax.combine(t, f), x))(t)
+
+    jaxpr = jax.make_jaxpr(grad)(trainable, frozen, x)
+    stacked = [tuple(v.aval.shape) for e in iter_eqns(jaxpr) if e.primitive.name == "scan"
+               for v in e.outvars]
+    temp = jax.jit(grad).lower(trainable, frozen, x).compile().memory_analysis()
+    return stacked, temp.temp_size_in_bytes, params
+
+
+def test_scanned_backward_saves_no_weight_copy():
+    """With stacked layers under `lax.scan`, the backward pass needs each layer's `W`
+    for `dx = dy @ W^T`. JAX hands a scan *input* to the backward scan for free, but
+    any value computed from it (e.g. `stop_gradient(W_i)`) is saved per iteration:
+    a stacked copy of every weight. `lora` freezes W before the scan, so the rules use
+    the loop input itself."""
+    stacked, temp, params = _scan_residuals()
+    w_shapes = {p.shape for p in params.values()}
+    assert not [s for s in stacked if s in w_shapes], stacked
+    assert temp < sum(p.nbytes for p in params.values())
+
+
+def test_negative_control_stop_gradient_weight_is_copied(monkeypatch):
+    """With `stop_gradient(W)` applied inside the dot rule (what the rules did before
+    `lora` froze W on the way in), the stacked weights reappear as scan outputs and the
+    compiled step needs a weight-sized buffer more: the checks above can fail."""
+    import dataclasses
+
+    _, fixed_temp, _ = _scan_residuals()
+    original = dot_mod.lora_contract
+
+    def stop_gradient_inside(lw, *args, **kwargs):
+        return original(dataclasses.replace(lw, w=lax.stop_gradient(lw.w)), *args, **kwargs)
+
+    monkeypatch.setattr(dot_mod, "lora_contract", stop_gradient_inside)
+    stacked, temp, params = _scan_residuals()
+    assert {p.shape for p in params.values()} <= set(stacked)
+    assert temp >= fixed_temp + sum(p.nbytes for p in params.values())

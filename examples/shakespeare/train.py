@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import pathlib
 import resource
 import sys
@@ -56,46 +55,6 @@ def parse_args(argv):
     if unknown or not args.targets:
         p.error(f"--targets: choose from {','.join(TARGETS)} (got unknown {sorted(unknown)})")
     return args
-
-
-# -- the pieces later lorax versions will provide --------------------------------
-
-def init_stacked_lora(params, targets, rank, alpha, key):
-    """`(lora_params, spec)` with rank-`rank` LoRA on the stacked `(layers, in, out)` kernels.
-
-    `init_lora` factors every axis but the last as the input side, so for now the
-    per-layer factors are built here: `b: (L, in, k)` zeros, `a: (L, k, out)` ~ N(0, 0.01²).
-    """
-    def decide(path, w):
-        parts = path.split("/")
-        return rank if parts[0] == "layers" and parts[-1] in targets else lorax.LORA_FREEZE
-
-    spec = lorax.simple_spec(params, decide)
-    keys = iter(jax.random.split(key, len(targets)))
-
-    def make(spec_val, w):
-        if spec_val == lorax.LORA_FREEZE:
-            return w
-        layers, m, n = w.shape
-        a = 0.01 * jax.random.normal(next(keys), (layers, rank, n), w.dtype)
-        return lorax.LoraWeight(w, a=a, b=jnp.zeros((layers, m, rank), w.dtype), alpha=alpha)
-
-    return jax.tree.map(make, spec, params), spec
-
-
-def save_adapter(lora_params, out_dir, meta):
-    """The trained factors as `adapter.npz` (`<path>.a`, `<path>.b`) plus `adapter.json`."""
-    arrays = {}
-    leaves = jax.tree_util.tree_leaves_with_path(
-        lora_params, is_leaf=lambda x: isinstance(x, lorax.LoraWeight))
-    for path, leaf in leaves:
-        if isinstance(leaf, lorax.LoraWeight):
-            name = "/".join(str(getattr(k, "key", k)) for k in path)
-            arrays[f"{name}.a"], arrays[f"{name}.b"] = np.asarray(leaf.a), np.asarray(leaf.b)
-    path = pathlib.Path(out_dir) / "adapter.npz"
-    np.savez(path, **arrays)
-    (path.parent / "adapter.json").write_text(json.dumps(meta, indent=2) + "\n")
-    return path
 
 
 # -- helpers -----------------------------------------------------------------------
@@ -201,34 +160,46 @@ def main(argv=None):
 
     init_key, sample_key = jax.random.split(jax.random.PRNGKey(args.seed))
     full_shapes = shapes(params)
-    lora_params, spec = init_stacked_lora(params, args.targets, args.rank, args.alpha, init_key)
-    del params  # its arrays are now the frozen `w`s, donated to the training step
-    n_total = sum(x.size for x in jax.tree.leaves(full_shapes))
-    n_train = sum(x.a.size + x.b.size for x in jax.tree.leaves(
-        lora_params, is_leaf=lambda x: isinstance(x, lorax.LoraWeight))
-        if isinstance(x, lorax.LoraWeight))
-    print(f"LoRA rank {args.rank}, alpha {args.alpha:g} on {','.join(args.targets)}: "
-          f"{n_train:,} trainable parameters, {100 * n_train / n_total:.2f}% of {n_total:,}")
-
+    batch_shape = jax.ShapeDtypeStruct((args.batch, args.seq + 1), jnp.int32)
     loss_fn = functools.partial(llama.loss, cfg)
+    # LoRA on the chosen maps of every layer. The kernels are stacked (layers, in, out)
+    # and run under lax.scan; infer_layout reads that from one abstract trace of the
+    # loss and asks init_lora for per-layer factors b: (layers, in, k), a: (layers, k, out).
+    spec = lorax.simple_spec(params, targets=rf"^layers/({'|'.join(args.targets)})$",
+                             rank=args.rank)
+    spec = lorax.infer_layout(loss_fn, full_shapes, spec, batch_shape)
+    lora_params = lorax.init_lora(params, spec, init_key, alpha=args.alpha)
+    del params  # its arrays are now the frozen `w`s inside lora_params
+    counts = lorax.summary(lora_params, spec)
+    n_train, n_total = counts.trainable, counts.total
+    print(f"LoRA rank {args.rank}, alpha {args.alpha:g} on {','.join(args.targets)}: {counts}")
+
+    # The lean training path: differentiate and optimise only the factors; the frozen
+    # half goes in as an argument and never comes back out of the step.
+    trainable, frozen = lorax.partition(lora_params, spec)
+    del lora_params
     lora_loss = lorax.lora(loss_fn, on_materialize="error")
     optimizer = optax.adamw(optax.warmup_cosine_decay_schedule(
         0.0, args.lr, max(1, args.steps // 10), args.steps, args.lr / 10))
 
-    def make_step(loss, opt):
-        def step(p, opt_state, batch):
-            value, grads = jax.value_and_grad(loss)(p, batch)
-            updates, opt_state = opt.update(grads, opt_state, p)
-            return optax.apply_updates(p, updates), opt_state, value
-        return jax.jit(step, donate_argnums=(0, 1))
+    @functools.partial(jax.jit, donate_argnums=(0, 2))
+    def lora_step(trainable, frozen, opt_state, batch):
+        value, grads = jax.value_and_grad(
+            lambda t: lora_loss(lorax.combine(t, frozen), batch))(trainable)
+        updates, opt_state = optimizer.update(grads, opt_state, trainable)
+        return optax.apply_updates(trainable, updates), opt_state, value
 
-    lora_opt = lorax.wrap_optimizer(optimizer, spec)
-    opt_state = lora_opt.init(lora_params)
-    batch_shape = jax.ShapeDtypeStruct((args.batch, args.seq + 1), jnp.int32)
-    lora_step = make_step(lora_loss, lora_opt).lower(lora_params, opt_state, batch_shape).compile()
+    @functools.partial(jax.jit, donate_argnums=(0, 1))
+    def full_step(params, opt_state, batch):
+        value, grads = jax.value_and_grad(loss_fn)(params, batch)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, value
+
+    opt_state = optimizer.init(trainable)
+    lora_step = lora_step.lower(trainable, frozen, opt_state, batch_shape).compile()
     phase("compile")
     # Full fine-tuning, compiled only, for its memory estimate.
-    full_step = make_step(loss_fn, optimizer).lower(
+    full_step = full_step.lower(
         full_shapes, jax.eval_shape(optimizer.init, full_shapes), batch_shape).compile()
     mem_lora, mem_full = compiled_bytes(lora_step), compiled_bytes(full_step)
     del full_step
@@ -238,7 +209,8 @@ def main(argv=None):
 
     @jax.jit
     def heldout_ppl(p, windows):
-        per_chunk = jax.lax.map(lambda w: lora_loss(p, w), windows.reshape(-1, chunk, args.seq + 1))
+        per_chunk = jax.lax.map(lambda w: lora_loss(lorax.combine(*p), w),
+                                windows.reshape(-1, chunk, args.seq + 1))
         return jnp.exp(per_chunk.mean())
 
     # Untuned and tuned runs go through the same LoRA-wrapped functions (b = 0 at
@@ -250,14 +222,14 @@ def main(argv=None):
     def sample(p):
         if args.sample_tokens <= 0:
             return ""
-        ids = generate(p, prompt, args.sample_tokens, sample_key)
+        ids = generate(lorax.combine(*p), prompt, args.sample_tokens, sample_key)
         return tokenizer.decode(np.asarray(ids).tolist())
 
-    ppl_before = float(heldout_ppl(lora_params, eval_windows))
+    ppl_before = float(heldout_ppl((trainable, frozen), eval_windows))
     print(f"held-out perplexity before: {ppl_before:.1f} "
           f"({args.eval_windows} windows of {args.seq} tokens)")
     phase("eval")
-    sample_before = sample(lora_params)
+    sample_before = sample((trainable, frozen))
     print(f"sample before:\n{PROMPT}{sample_before}\n")
     phase("sample")
 
@@ -265,24 +237,23 @@ def main(argv=None):
     bar = progress(range(args.steps), args.steps)
     for _ in bar:
         t = time.perf_counter()
-        lora_params, opt_state, loss = lora_step(lora_params, opt_state, next(batches))
+        trainable, opt_state, loss = lora_step(trainable, frozen, opt_state, next(batches))
         losses.append(float(loss))
         step_times.append(time.perf_counter() - t)
         bar.set_postfix_str(f"loss {losses[-1]:.3f}")
     bar.close()
     phase("train")
 
-    ppl_after = float(heldout_ppl(lora_params, eval_windows))
+    ppl_after = float(heldout_ppl((trainable, frozen), eval_windows))
     print(f"held-out perplexity after:  {ppl_after:.1f}  (before {ppl_before:.1f})")
     phase("eval")
-    sample_after = sample(lora_params)
+    sample_after = sample((trainable, frozen))
     print(f"sample after:\n{PROMPT}{sample_after}\n")
     phase("sample")
 
-    adapter = save_adapter(lora_params, out_dir, {
-        "model": gguf_loader.GGUF_NAME, "rank": args.rank, "alpha": args.alpha,
-        "targets": list(args.targets), "layout": "w: (layers, in, out), b: (layers, in, k), "
-        "a: (layers, k, out); delta = alpha / k * b @ a"})
+    adapter = out_dir / "adapter.safetensors"
+    lorax.save_adapter(adapter, lorax.combine(trainable, frozen), spec, metadata={
+        "base_model": gguf_loader.GGUF_NAME, "targets": ",".join(args.targets)})
     curve = out_dir / "loss.png"
     save_loss_curve(losses, ppl_before, ppl_after, curve)
     phase("save")

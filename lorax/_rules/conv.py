@@ -35,12 +35,12 @@ def _(lhs: ArrayLike, rhs: LoraWeight, *, dimension_numbers: lax.ConvDimensionNu
         else:
             f_in = None
         if f_in is not None:
-            w = lax.stop_gradient(rhs.w)
+            w = rhs.w
             conv = lambda x, kernel, **p: lax.conv_general_dilated_p.bind(  # noqa: E731
                 x, kernel, dimension_numbers=dn, feature_group_count=1,
                 batch_group_count=1, **p,
             )
-            base = conv(lhs, w, **params)
+            base = conv(lhs, w, **params)  # `w` is frozen already (see `lora`)
             t = conv(lhs, f_in.astype(w.dtype), **params)
             t = scale(t, rhs.scale)
             # The 1x1 kernel in the caller's rhs layout: O and I=k, unit window.

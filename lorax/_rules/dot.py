@@ -6,6 +6,7 @@ import itertools
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 from jaxtyping import Array, ArrayLike
@@ -39,13 +40,30 @@ def lora_contract(
 
     `op(W, x) + s * ((x . F1) . F2)`, where `F1` is the factor on the side `x`
     contracts with (`b` for `x @ W`, `a` for `W @ x`), so the extra cost is
-    O(batch * k * (M + N)). Each dot keeps the caller's operand order.
+    O(batch * k * (M + N)). Each dot keeps the caller's operand order. `W` arrives
+    already behind `stop_gradient` (see `lora`), so it is used as is: another
+    `stop_gradient` here would be a new value that `lax.scan`'s backward pass saves
+    per layer instead of reading the loop input.
     """
-    w = lax.stop_gradient(lw.w)
     bl, al, _ = factor_labels(lw, lwl, fresh)
-    b = lw.b.astype(w.dtype)
-    a = lw.a.astype(w.dtype)
-    nb, nm, _ = lw.structure
+    static = dict(
+        structure=lw.structure, factor_scale=lw.scale, lwl=tuple(lwl), xl=tuple(xl),
+        out=tuple(out), bl=bl, al=al, lora_first=lora_first,
+        dot_params=tuple(sorted(dot_params.items())),
+    )
+    try:
+        hash(tuple(static.values()))
+    except TypeError:  # an unhashable parameter: trace the rule inline instead
+        return _contract_impl(lw.w, lw.b, lw.a, x, **static)
+    return _contract_jit(lw.w, lw.b, lw.a, x, **static)
+
+
+def _contract_impl(w, b, a, x, *, structure, factor_scale, lwl, xl, out, bl, al, lora_first,
+                   dot_params):
+    dot_params = dict(dot_params)
+    b = b.astype(w.dtype)
+    a = a.astype(w.dtype)
+    nb, nm, _ = structure
     hits_n = any(l in xl for l in lwl[nb + nm :])
     hits_m = any(l in xl for l in lwl[nb : nb + nm])
     if hits_n and not hits_m:
@@ -62,9 +80,20 @@ def lora_contract(
     base, base_l = dot(w, lwl, x, xl, out, **dot_params)
     low_params = {k: v for k, v in dot_params.items() if k != "out_sharding"}
     t, tl = dot(f1, f1l, x, xl, {*out, *f2l}, **low_params)
-    t = scale(t, lw.scale)
+    t = scale(t, factor_scale)
     y, yl = dot(f2, f2l, t, tl, out, **low_params)
     return arrange(base, base_l, out) + arrange(y, yl, out)
+
+
+# Traced once per distinct (shapes, labels, parameters), like a `jnp` function: a model
+# with many same-shaped layers traces and differentiates the rule once, not per layer
+# (JAX caches a jitted function's jaxpr and its linearization; bare `lax` calls in a
+# rule are re-linearized one by one at every use).
+_contract_jit = jax.jit(
+    _contract_impl,
+    static_argnames=("structure", "factor_scale", "lwl", "xl", "out", "bl", "al", "lora_first",
+                     "dot_params"),
+)
 
 
 def scale(x: Array, s: float) -> Array:

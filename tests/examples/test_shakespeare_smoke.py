@@ -41,10 +41,16 @@ def test_quick_run(train_module, tmp_path):
     assert res["xla_bytes_lora"] < res["xla_bytes_full"]
     assert isinstance(res["sample_after"], str)
 
-    adapter = np.load(res["adapter"])
-    assert {"layers/q.a", "layers/q.b", "layers/down.a", "layers/down.b"} <= set(adapter.files)
-    assert adapter["layers/q.b"].shape == (30, 576, 8)
-    assert np.abs(adapter["layers/q.b"]).max() > 0  # trained away from its zero init
+    from safetensors import safe_open
+
+    with safe_open(res["adapter"], "np") as f:
+        names, meta = set(f.keys()), f.metadata()
+        q_b = f.get_tensor("['layers']['q'].b")
+    assert {"['layers']['q'].a", "['layers']['down'].b"} <= names
+    assert len(names) == 2 * 7  # a and b for each of the seven linear maps
+    assert meta["format"] == "lorax-adapter/1" and meta["targets"] == "q,k,v,o,gate,up,down"
+    assert q_b.shape == (30, 576, 8)  # per-layer factors of the stacked (30, in, out) kernel
+    assert np.abs(q_b).max() > 0  # trained away from its zero init
     png = pathlib.Path(res["loss_curve"])
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

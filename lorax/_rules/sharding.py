@@ -1,0 +1,109 @@
+"""Layout primitives: `shard_map`, `with_sharding_constraint` and `pvary` on a `LoraWeight`.
+
+The first two state a layout for `W`; the factors get the one `lorax._sharding`
+derives from it (`b` on `W`'s batch and `M` axes, `a` on its batch and `N` axes, the
+rank axis replicated), so each device holds the factor rows and columns that meet
+its shard of `W` and the low-rank path runs shard by shard with no `W + BA` anywhere.
+`pvary` is the type-level cast JAX inserts inside a `shard_map` body.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax.extend.core.primitives as _prims
+from jax._src import core as _jax_core
+from jax.sharding import NamedSharding
+
+from .. import _engine
+from .._sharding import factor_dims, factor_specs, varying_axes
+from .._weight import LoraWeight
+
+sharding_constraint_p = _prims.sharding_constraint_p
+pvary_p = _jax_core.pvary_p
+
+
+# -- shard_map ---------------------------------------------------------------------
+
+
+@_engine.register_shard_map_rule
+def _shard_map(operands: Sequence[Any], in_specs: tuple) -> _engine.ShardMapPlan | str:
+    leaves: list = []
+    specs: list = []
+    rebuilders: list = []
+    for i, (x, spec) in enumerate(zip(operands, in_specs)):
+        if not _engine.is_value(x):
+            leaves.append(x)
+            specs.append(spec)
+            rebuilders.append((1, None))
+            continue
+        if not isinstance(x, LoraWeight):
+            return f"operand {i} is a {type(x).__name__}, which lorax cannot split into arrays"
+        nb, nm, _ = x.structure
+        try:
+            a_spec, b_spec = factor_specs(spec, x.ndim, nb, nm)
+        except ValueError as err:
+            return f"operand {i}, a LoraWeight of shape {tuple(x.shape)}: {err}"
+        leaves += [x.w, x.a, x.b]
+        specs += [spec, a_spec, b_spec]
+        rebuilders.append((3, x.alpha))
+
+    def rebuild(flat: Sequence[Any]) -> list:
+        flat = list(flat)
+        out = []
+        for n, alpha in rebuilders:
+            taken, flat = flat[:n], flat[n:]
+            out.append(taken[0] if alpha is None else LoraWeight(*taken, alpha=alpha))
+        return out
+
+    return _engine.ShardMapPlan(leaves, tuple(specs), rebuild)
+
+
+@_engine.register(pvary_p)
+def _(lw: LoraWeight, *, axes: Any) -> Any:
+    # Inside a `shard_map` with check_vma, JAX casts operands to vary over the same
+    # mesh axes before mixing them (`x @ W` with `x` split over 'data'). The cast
+    # is a no-op on values, so it applies leaf by leaf, each over the axes it does
+    # not vary over yet (`w` and `a` may be split over 'model', `b` not); under AD
+    # each factor's cotangent is then summed over those axes, as W's would be.
+    def vary(x: Any) -> Any:
+        new = tuple(a for a in axes if a not in varying_axes(x))
+        return pvary_p.bind(x, axes=new) if new else x
+
+    return LoraWeight(vary(lw.w), a=vary(lw.a), b=vary(lw.b), alpha=lw.alpha)
+
+
+# -- with_sharding_constraint -----------------------------------------------------------
+
+
+@_engine.register(sharding_constraint_p)
+def _(lw: LoraWeight, *, sharding: Any, layout: Any, context_mesh: Any,
+      unconstrained_dims: Any) -> Any:
+    params = dict(sharding=sharding, layout=layout, context_mesh=context_mesh,
+                  unconstrained_dims=unconstrained_dims)
+    if layout is not None:
+        return _engine.materialize_fallback(
+            sharding_constraint_p, [lw], params, "a memory layout has no factor counterpart")
+    if not isinstance(sharding, NamedSharding):
+        return _engine.materialize_fallback(
+            sharding_constraint_p, [lw], params,
+            f"factor shardings are derived from a NamedSharding, got {type(sharding).__name__}")
+    nb, nm, _ = lw.structure
+    try:
+        a_spec, b_spec = factor_specs(sharding.spec, lw.ndim, nb, nm)
+    except ValueError as err:
+        return _engine.materialize_fallback(sharding_constraint_p, [lw], params, str(err))
+    a_dims, b_dims = factor_dims(lw.ndim, nb, nm)
+    unconstrained = frozenset(unconstrained_dims or ())
+
+    def constrain(x: Any, spec: Any, dims: dict[int, int]) -> Any:
+        return sharding_constraint_p.bind(
+            x, sharding=sharding.update(spec=spec), layout=None,
+            context_mesh=context_mesh,
+            unconstrained_dims=frozenset(dims[d] for d in unconstrained if d in dims))
+
+    w = sharding_constraint_p.bind(lw.w, **params)
+    a = constrain(lw.a, a_spec, a_dims)
+    b = constrain(lw.b, b_spec, b_dims)
+    return LoraWeight(w, a=a, b=b, alpha=lw.alpha)
