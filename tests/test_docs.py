@@ -40,3 +40,27 @@ def test_docs_build_strict(tmp_path):
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert (tmp_path / "site" / "api" / "index.html").exists()
+
+
+def _runnable_pages() -> list[str]:
+    """Pages whose first ```python block starts with an import: complete examples, run
+    block after block in one namespace. Other pages show fragments (`params = ...`
+    of the reader's own model) and are not run."""
+    pages = []
+    for page in sorted((ROOT / "docs").glob("*.md")):
+        blocks = re.findall(r"```python\n(.*?)```", page.read_text(), flags=re.S)
+        if blocks and re.match(r"(import|from) ", blocks[0]):
+            pages.append(page.name)
+    return pages
+
+
+def test_the_runnable_pages_are_the_expected_ones():
+    assert {"index.md", "distributed.md"} <= set(_runnable_pages())
+
+
+@pytest.mark.parametrize("page", _runnable_pages())
+def test_docs_page_python_blocks_run(page):
+    text = (ROOT / "docs" / page).read_text()
+    namespace: dict = {}
+    for block in re.findall(r"```python\n(.*?)```", text, flags=re.S):
+        exec(compile(block, f"docs/{page}", "exec"), namespace)
