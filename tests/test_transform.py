@@ -20,54 +20,23 @@ from jax._src import ad_checkpoint as _ad_checkpoint
 
 import lorax
 from conftest import assert_close
-
-F32 = np.float32
-
-
-def put(x):
-    """numpy -> device without a compile (`jnp.asarray` of an ndarray stages it through XLA)."""
-    return jax.device_put(np.asarray(x))
+from lora_testing import (
+    F32,
+    put,
+    is_lw as _is_lw,
+    make_lw,
+    dense,
+    grad_and_out as _grad_and_out,
+)
 
 
 # -- helpers ---------------------------------------------------------------------
-
-
-def _is_lw(x):
-    return isinstance(x, lorax.LoraWeight)
-
-
-def make_lw(seed, w_shape, b_shape, a_shape, alpha=2.0):
-    rng = np.random.default_rng(seed)
-    normal = lambda shape, s=1.0: put((s * rng.standard_normal(shape)).astype(np.float32))  # noqa: E731
-    return lorax.LoraWeight(normal(w_shape), a=normal(a_shape, 0.5), b=normal(b_shape, 0.5), alpha=alpha)
-
-
-def dense(tree):
-    """`tree` with every `LoraWeight` replaced by its merged weight."""
-    return jax.tree.map(lambda x: x.materialize() if _is_lw(x) else x, tree, is_leaf=_is_lw)
-
-
-def _float_leaves(tree):
-    return [x for x in jax.tree.leaves(dense(tree)) if jnp.issubdtype(jnp.result_type(x), jnp.inexact)]
 
 
 def _cotangents(ref):
     rng = np.random.default_rng(123)
     leaves = [x for x in jax.tree.leaves(ref) if jnp.issubdtype(x.dtype, jnp.inexact)]
     return [put(rng.standard_normal(x.shape).astype(x.dtype)) for x in leaves]
-
-
-def _grad_and_out(fn, cts, argnum, mat_inputs):
-    """`args -> (d<ct, fn(args)>/d args[argnum], fn(args))` in one pass."""
-    def loss(diff, args):
-        args = list(args)
-        args[argnum] = diff
-        out = fn(*(dense(args) if mat_inputs else args))
-        leaves = _float_leaves(out)
-        return sum(jnp.vdot(c.astype(F32), o.astype(F32)) for c, o in zip(cts, leaves, strict=True)), out
-
-    grad = jax.grad(loss, has_aux=True, allow_int=True)
-    return lambda args: grad(args[argnum], args)
 
 
 def assert_factor_grads(got, want, dtype=F32):

@@ -23,52 +23,21 @@ from hypothesis import strategies as st
 
 import lorax
 from conftest import assert_close
+from lora_testing import (
+    F32,
+    put,
+    is_lw as _is_lw,
+    make_lw,
+    dense,
+    np_materialize,
+    grad_and_out as _grad_and_out,
+)
 
-F32 = np.float32
-
-
-def put(x):
-    """numpy -> device without a compile (`jnp.asarray` of an ndarray stages it through XLA)."""
-    return jax.device_put(np.asarray(x))
 
 VOCAB, DIM, RANK = 9, 5, 2
 
 
 # -- helpers -------------------------------------------------------------------------------
-
-
-def _is_lw(x):
-    return isinstance(x, lorax.LoraWeight)
-
-
-def make_lw(seed, w_shape, b_shape, a_shape, alpha=2.0):
-    rng = np.random.default_rng(seed)
-    normal = lambda shape, s=1.0: put((s * rng.standard_normal(shape)).astype(np.float32))  # noqa: E731
-    return lorax.LoraWeight(normal(w_shape), a=normal(a_shape, 0.5), b=normal(b_shape, 0.5), alpha=alpha)
-
-
-def dense(tree):
-    return jax.tree.map(lambda x: x.materialize() if _is_lw(x) else x, tree, is_leaf=_is_lw)
-
-
-def np_materialize(lw):
-    nb, _, _ = lw.structure
-    w, b, a = (np.asarray(v, np.float64) for v in (lw.w, lw.b, lw.a))
-    batch, k = w.shape[:nb], lw.rank
-    ba = b.reshape(math.prod(batch), -1, k) @ a.reshape(math.prod(batch), k, -1)
-    return w + lw.alpha / k * ba.reshape(w.shape)
-
-
-def _grad_and_out(fn, cts, argnum, mat_inputs):
-    def loss(diff, args):
-        args = list(args)
-        args[argnum] = diff
-        out = fn(*(dense(args) if mat_inputs else args))
-        leaves = [x for x in jax.tree.leaves(dense(out)) if jnp.issubdtype(x.dtype, jnp.inexact)]
-        return sum(jnp.vdot(c, jnp.nan_to_num(o)) for c, o in zip(cts, leaves, strict=True)), out
-
-    grad = jax.grad(loss, has_aux=True, allow_int=True)
-    return lambda args: grad(args[argnum], args)
 
 
 def _assert_outputs(out, ref, lora_out):

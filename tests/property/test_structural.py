@@ -23,64 +23,26 @@ from jax import lax
 
 import lorax
 from conftest import assert_close
+from lora_testing import (
+    F32,
+    put,
+    is_lw as _is_lw,
+    make_lw,
+    dense,
+    np_materialize,
+    grad_and_out as _grad_and_out,
+)
 
-F32 = np.float32
 
-
-def put(x):
-    """numpy -> device without a compile (`jnp.asarray` of an ndarray stages it through XLA)."""
-    return jax.device_put(np.asarray(x))
 BF16 = np.dtype(jnp.bfloat16)
 
 
 # -- helpers -------------------------------------------------------------------------
 
 
-def _is_lw(x):
-    return isinstance(x, lorax.LoraWeight)
-
-
-def make_lw(seed, w_shape, b_shape, a_shape, alpha=2.0, dtype=np.float32):
-    rng = np.random.default_rng(seed)
-    normal = lambda shape, s=1.0, dt=np.float32: put((s * rng.standard_normal(shape)).astype(dt))  # noqa: E731
-    return lorax.LoraWeight(normal(w_shape, dt=dtype), a=normal(a_shape, 0.5), b=normal(b_shape, 0.5), alpha=alpha)
-
-
 def make_structured(seed, batch, m, n, k, alpha=2.0):
     batch, m, n = tuple(batch), tuple(m), tuple(n)
     return make_lw(seed, (*batch, *m, *n), (*batch, *m, k), (*batch, k, *n), alpha)
-
-
-def dense(tree):
-    return jax.tree.map(lambda x: x.materialize() if _is_lw(x) else x, tree, is_leaf=_is_lw)
-
-
-def np_materialize(lw):
-    """`w + (alpha/k) b @ a` in numpy, independent of `LoraWeight.materialize`."""
-    nb, nm, nn = lw.structure
-    w = np.asarray(lw.w, np.float64)
-    b = np.asarray(lw.b, np.float64)
-    a = np.asarray(lw.a, np.float64)
-    batch, k = w.shape[:nb], lw.rank
-    bb = b.reshape(math.prod(batch), -1, k)
-    aa = a.reshape(math.prod(batch), k, -1)
-    return w + lw.alpha / k * (bb @ aa).reshape(w.shape)
-
-
-def _float_leaves(tree):
-    return [x for x in jax.tree.leaves(dense(tree)) if jnp.issubdtype(jnp.result_type(x), jnp.inexact)]
-
-
-def _grad_and_out(fn, cts, argnum, mat_inputs):
-    def loss(diff, args):
-        args = list(args)
-        args[argnum] = diff
-        out = fn(*(dense(args) if mat_inputs else args))
-        leaves = _float_leaves(out)
-        return sum(jnp.vdot(c.astype(F32), o.astype(F32)) for c, o in zip(cts, leaves, strict=True)), out
-
-    grad = jax.grad(loss, has_aux=True, allow_int=True)
-    return lambda args: grad(args[argnum], args)
 
 
 def _assert_outputs(out, ref, lora_out, dtype):

@@ -1,0 +1,62 @@
+"""Helpers shared by the rule tests: LoRA weights from a seed, merged references, and
+`(gradient, output)` of a function in one pass."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import lorax
+
+F32 = np.float32
+
+
+def put(x):
+    """numpy -> device without a compile (`jnp.asarray` of an ndarray stages it through XLA)."""
+    return jax.device_put(np.asarray(x))
+
+
+def is_lw(x):
+    return isinstance(x, lorax.LoraWeight)
+
+
+def make_lw(seed, w_shape, b_shape, a_shape, alpha=2.0, dtype=np.float32):
+    """A `LoraWeight` with N(0, 1) `w` (in `dtype`) and N(0, 0.25) f32 factors."""
+    rng = np.random.default_rng(seed)
+    normal = lambda shape, s=1.0, dt=np.float32: put((s * rng.standard_normal(shape)).astype(dt))  # noqa: E731
+    return lorax.LoraWeight(normal(w_shape, dt=dtype), a=normal(a_shape, 0.5), b=normal(b_shape, 0.5), alpha=alpha)
+
+
+def dense(tree):
+    """`tree` with every `LoraWeight` replaced by its merged weight."""
+    return jax.tree.map(lambda x: x.materialize() if is_lw(x) else x, tree, is_leaf=is_lw)
+
+
+def np_materialize(lw):
+    """`w + (alpha/k) b @ a` in numpy, independent of `LoraWeight.materialize`."""
+    nb, _, _ = lw.structure
+    w, b, a = (np.asarray(v, np.float64) for v in (lw.w, lw.b, lw.a))
+    batch, k = w.shape[:nb], lw.rank
+    ba = b.reshape(math.prod(batch), -1, k) @ a.reshape(math.prod(batch), k, -1)
+    return w + lw.alpha / k * ba.reshape(w.shape)
+
+
+def float_leaves(tree):
+    return [x for x in jax.tree.leaves(dense(tree)) if jnp.issubdtype(jnp.result_type(x), jnp.inexact)]
+
+
+def grad_and_out(fn, cts, argnum, mat_inputs):
+    """`args -> (d<ct, fn(args)>/d args[argnum], fn(args))` in one pass; with
+    `mat_inputs`, `fn` gets the merged weights (the dense reference)."""
+    def loss(diff, args):
+        args = list(args)
+        args[argnum] = diff
+        out = fn(*(dense(args) if mat_inputs else args))
+        leaves = float_leaves(out)
+        return sum(jnp.vdot(c.astype(F32), o.astype(F32)) for c, o in zip(cts, leaves, strict=True)), out
+
+    grad = jax.grad(loss, has_aux=True, allow_int=True)
+    return lambda args: grad(args[argnum], args)
