@@ -1,8 +1,8 @@
-"""Run the three benchmarks (speed, memory, trace time); results under `benchmarks/results/`.
+"""Run the benchmarks (memory, trace time, dispatch, speed); results under `benchmarks/results/`.
 
     python -m benchmarks                      # everything, default sizes (~20 min on 2 cores)
     python -m benchmarks --quick              # smoke run of all three
-    python -m benchmarks --out DIR --only memory,trace_time
+    python -m benchmarks --out DIR --only memory,trace_time,dispatch
 
 `--quick` and `--out` are passed to every benchmark. The speed benchmark is run last:
 memory and trace time do not depend on machine load (trace time a little), speed does,
@@ -20,9 +20,9 @@ if __package__ in (None, ""):
     __package__ = "benchmarks"
 
 from . import _common as C  # noqa: E402
-from . import memory, speed, trace_time  # noqa: E402
+from . import dispatch, memory, speed, trace_time  # noqa: E402
 
-BENCHMARKS = {"memory": memory, "trace_time": trace_time, "speed": speed}
+BENCHMARKS = {"memory": memory, "trace_time": trace_time, "dispatch": dispatch, "speed": speed}
 
 
 def main(argv: list[str] | None = None) -> Path:

@@ -3,42 +3,210 @@
 Swapping quax for another interpreter means rewriting this module only: rules
 register through `register`, `transform` re-traces a function so registered rules
 apply, and `materialize_fallback` is what happens to primitives with no rule.
+
+This is also the only module that reaches into other packages' internals. The whole
+private surface, and what breaks without it:
+
+| internal | used for |
+|---|---|
+| `quax._trace._QuaxTrace`, `_QuaxTracer` | custom_vjp / custom_jvp / shard_map handling quax lacks |
+| `quax._values._DenseArrayValue`, `_dense` | wrapping plain arrays on a quax trace |
+| `jax._src.core` (`set_current_trace`, `take_current_trace`, `pvary_p`) | re-entering traces; the `pvary` rule |
+| `jax._src.ad_checkpoint.remat_p` | the `checkpoint` rule |
+| `equinox._module._module.jtu` | `LoraWeight`'s own (fast) pytree registration, see `FastPytreeMeta` |
+
+`SUPPORTED` holds the versions this surface is tested with (the package's
+dependency bounds say the same). Importing lorax with a quax or JAX whose internals
+moved fails here, with a message naming the versions, rather than deep inside a trace.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import contextvars
+import dataclasses
+import functools
+import operator
+import re
 import warnings
 from collections.abc import Callable, Iterator, Sequence
+from importlib import metadata as _metadata
 from typing import Any, Literal
 
 import jax
 import jax.extend.core as jexc
 import quax
-from jax._src import ad_checkpoint as _ad_checkpoint
-from jax._src import core as _core
-from jaxtyping import ArrayLike
-from quax import _trace as _quax_trace
-from quax._values import _DenseArrayValue, _dense
+from jax.typing import ArrayLike
+
+# Tested range per package, `(lowest tested, first untested)`; pyproject.toml's
+# dependency bounds are the same (tests/test_engine.py checks that they agree).
+SUPPORTED: dict[str, tuple[str, str]] = {
+    "jax": ("0.10.0", "0.13"),
+    "quax": ("0.4.6", "0.5"),
+    "equinox": ("0.13.8", "0.14"),
+}
+
+
+def _version_tuple(version: str) -> tuple[int, ...]:
+    """`(0, 12, 0, 1)` for "0.12.0.1"; a pre-release tag ends its piece ("0.5.0rc1" -> 0.5.0)."""
+    return tuple(int(re.match(r"\d*", piece).group() or 0) for piece in version.split("."))
+
+
+def unsupported_versions(versions: dict[str, str] | None = None) -> list[str]:
+    """`"<package> <version> (tested: >=lo,<hi)"` for each installed package outside `SUPPORTED`."""
+    if versions is None:
+        versions = {name: _metadata.version(name) for name in SUPPORTED}
+    out = []
+    for name, (lo, hi) in SUPPORTED.items():
+        v = _version_tuple(versions[name])
+        if not _version_tuple(lo) <= v < _version_tuple(hi):
+            out.append(f"{name} {versions[name]} (tested: >={lo},<{hi})")
+    return out
+
+
+def _internals_moved(err: Exception) -> ImportError:
+    bad = unsupported_versions()
+    which = "; ".join(bad) if bad else ", ".join(
+        f"{n} {_metadata.version(n)}" for n in SUPPORTED)
+    return ImportError(
+        "lorax needs internals of quax, JAX and equinox that this installation does not "
+        f"have ({err!r}). Installed: {which}. Install versions in lorax's tested range "
+        "(`pip install jax-lorax` resolves them: "
+        + ", ".join(f"{n}>={lo},<{hi}" for n, (lo, hi) in SUPPORTED.items()) + ")."
+    )
+
+
+try:
+    from jax._src import ad_checkpoint as _ad_checkpoint
+    from jax._src import core as _core
+    from equinox._module import _module as _eqx_module
+    from quax import _trace as _quax_trace
+    from quax._values import _DenseArrayValue, _dense
+
+    remat_p = _ad_checkpoint.remat_p
+    pvary_p = _core.pvary_p
+    _core.set_current_trace, _core.take_current_trace  # noqa: B018
+    _quax_trace._QuaxTrace, _quax_trace._QuaxTracer  # noqa: B018
+    _quax_trace._QuaxTrace.process_custom_jvp_call  # noqa: B018
+    _eqx_module.jtu.register_pytree_with_keys  # noqa: B018
+except (ImportError, AttributeError) as _err:
+    raise _internals_moved(_err) from _err
+
+if unsupported_versions():
+    warnings.warn(
+        "lorax has not been tested with " + "; ".join(unsupported_versions())
+        + ". Its internals imported fine, but results are not guaranteed.",
+        UserWarning, stacklevel=2,
+    )
 
 __all__ = [
     "ArrayValue",
+    "FastPytreeMeta",
+    "fast_pytree",
     "ShardMapPlan",
     "MaterializePolicy",
     "LoraMaterializationError",
     "LoraMaterializationWarning",
+    "SUPPORTED",
     "is_value",
     "materialize_fallback",
     "materialize_policy",
+    "pvary_p",
     "register",
     "register_shard_map_rule",
+    "remat_p",
     "transform",
+    "unsupported_versions",
 ]
 
 ArrayValue = quax.ArrayValue
 register = quax.register
+
+
+# -- pytree registration of value types --------------------------------------------
+
+
+class _NoRegistration:
+    """`jax.tree_util` as equinox sees it while a `FastPytreeMeta` class is created:
+    everything but `register_pytree_with_keys`, which becomes a no-op."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(jax.tree_util, name)
+
+    @staticmethod
+    def register_pytree_with_keys(*args: Any, **kwargs: Any) -> None:
+        del args, kwargs
+
+
+class FastPytreeMeta(type(quax.ArrayValue)):  # type: ignore[misc]
+    """Metaclass for value types that JAX flattens without equinox's flatten functions.
+
+    A jitted step receives every `LoraWeight` of a model on every call. Equinox
+    registers a Module with generated flatten functions and a tuple of static
+    fields as aux data, which JAX's C++ dispatch compares in Python for every node:
+    ~2x the per-call cost of the same leaves in dicts. Classes made by this
+    metaclass skip equinox's registration and get a minimal one (an `attrgetter`
+    flatten, the static fields' values as aux data, and an unflatten that sets the
+    fields without running `__init__`, as equinox's does: JAX unflattens with
+    `None`, labels and per-leaf statistics, which no constructor check could allow).
+    `fast_pytree(cls)` says whether the fast registration took.
+    """
+
+    def __new__(mcs, name: str, bases: tuple[type, ...], namespace: dict[str, Any],
+                **kwargs: Any) -> type:
+        real = _eqx_module.jtu
+        _eqx_module.jtu = _NoRegistration()
+        try:
+            cls = super().__new__(mcs, name, bases, namespace, **kwargs)
+        finally:
+            _eqx_module.jtu = real
+        fields = dataclasses.fields(cls)
+        data = tuple(f.name for f in fields if not f.metadata.get("static", False))
+        meta = tuple(f.name for f in fields if f.metadata.get("static", False))
+        # Fields are read from the instance dict: equinox's `__getattribute__` is
+        # Python, and was most of the flatten's cost.
+        get_data = operator.itemgetter(*data)
+        if len(data) == 1:  # itemgetter of one key returns the value, not a 1-tuple
+            get_data = (lambda g: lambda d: (g(d),))(get_data)
+        get_meta = operator.itemgetter(*meta) if meta else (lambda d: None)
+        keys = tuple(jax.tree_util.GetAttrKey(n) for n in data)
+        one_meta = len(meta) == 1
+
+        def flatten(x: Any) -> tuple[tuple[Any, ...], Any]:
+            d = object.__getattribute__(x, "__dict__")
+            return get_data(d), get_meta(d)
+
+        def flatten_with_keys(x: Any) -> tuple[tuple[Any, ...], Any]:
+            d = object.__getattribute__(x, "__dict__")
+            return tuple(zip(keys, get_data(d))), get_meta(d)
+
+        def unflatten(aux: Any, children: Any) -> Any:
+            obj = object.__new__(cls)
+            d = object.__getattribute__(obj, "__dict__")
+            d.update(zip(data, children))
+            if one_meta:
+                d[meta[0]] = aux
+            elif meta:
+                d.update(zip(meta, aux))
+            return obj
+
+        try:
+            jax.tree_util.register_pytree_with_keys(cls, flatten_with_keys, unflatten, flatten)
+        except ValueError:
+            # equinox registered the class after all (its internals moved): still a
+            # correct pytree, only slower to dispatch; tests/test_engine.py notices.
+            _fast_pytrees.discard(cls)
+        else:
+            _fast_pytrees.add(cls)
+        return cls
+
+
+_fast_pytrees: set[type] = set()
+
+
+def fast_pytree(cls: type) -> bool:
+    """Whether `cls` got `FastPytreeMeta`'s registration (not equinox's)."""
+    return cls in _fast_pytrees
 
 
 def transform(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -137,11 +305,11 @@ def materialize_fallback(
 # -- higher-order primitives quax leaves out -----------------------------------
 
 
-@register(_ad_checkpoint.remat_p)
+@register(remat_p)
 def _remat(*args: ArrayValue | ArrayLike, jaxpr: Any, prevent_cse: bool,
            differentiated: bool, policy: Any) -> Any:
     if not any(map(is_value, args)):
-        return _ad_checkpoint.remat_p.bind(
+        return remat_p.bind(
             *args, jaxpr=jaxpr, prevent_cse=prevent_cse,
             differentiated=differentiated, policy=policy,
         )

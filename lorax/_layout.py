@@ -18,7 +18,8 @@ from typing import Any
 import equinox as eqx
 import jax
 from jax import lax
-from jaxtyping import Array, ArrayLike
+from jax import Array
+from jax.typing import ArrayLike
 
 from . import _engine
 from ._spec import LoraSpec, as_lora_spec, check_spec_structure, path_str

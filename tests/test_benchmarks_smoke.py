@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks import _impls, memory, speed, trace_time  # noqa: E402
+from benchmarks import _impls, dispatch, memory, speed, trace_time  # noqa: E402
 
 
 def _rows(path: Path) -> list[dict[str, str]]:
@@ -73,3 +73,12 @@ def test_trace_time_quick(tmp_path):
     assert len(rows) == 2 * len(trace_time.IMPLS)  # two layer counts
     assert all(float(r["lower_ms"]) > 0 and float(r["compile_ms"]) > 0 for r in rows)
     assert (tmp_path / "trace_time.md").exists()
+
+
+def test_dispatch_quick(tmp_path):
+    dispatch.main(["--quick", "--out", str(tmp_path), "--weights", "8"])
+    rows = _rows(tmp_path / "dispatch.csv")
+    assert {(r["function"], r["container"]) for r in rows} == {
+        (f, c) for f in ("args", "identity") for c in dispatch.CONTAINERS}
+    assert all(float(r["us_per_call"]) > 0 for r in rows)
+    assert "`lorax` / `dict`" in (tmp_path / "dispatch.md").read_text()

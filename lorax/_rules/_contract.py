@@ -12,7 +12,7 @@ from collections.abc import Collection, Sequence
 from typing import Any
 
 from jax import lax
-from jaxtyping import Array
+from jax import Array
 
 Labels = tuple[int, ...]
 

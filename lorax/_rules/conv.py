@@ -14,7 +14,7 @@ from typing import Any
 
 import jax.numpy as jnp
 from jax import lax
-from jaxtyping import ArrayLike
+from jax.typing import ArrayLike
 
 from .. import _engine
 from .._weight import LoraWeight

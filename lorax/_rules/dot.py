@@ -9,7 +9,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jaxtyping import Array, ArrayLike
+from jax import Array
+from jax.typing import ArrayLike
 
 from .. import _engine
 from .._weight import LoraWeight

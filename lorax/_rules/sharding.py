@@ -13,7 +13,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax.extend.core.primitives as _prims
-from jax._src import core as _jax_core
 from jax.sharding import NamedSharding
 
 from .. import _engine
@@ -21,7 +20,7 @@ from .._sharding import factor_dims, factor_specs, varying_axes
 from .._weight import LoraWeight
 
 sharding_constraint_p = _prims.sharding_constraint_p
-pvary_p = _jax_core.pvary_p
+pvary_p = _engine.pvary_p
 
 
 # -- shard_map ---------------------------------------------------------------------

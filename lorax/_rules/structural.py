@@ -14,7 +14,7 @@ from typing import Any
 
 import jax.numpy as jnp
 from jax import lax
-from jax._src.lax import lax as _lax_internal
+from jax.extend.core import primitives as _prims
 
 from .. import _engine
 from .._weight import LoraWeight
@@ -194,7 +194,7 @@ def _(lw: LoraWeight, *indices: Any, slice_sizes: Sequence[int]) -> Any:
     return _rebuild(lw, w, a, b)
 
 
-@_engine.register(_lax_internal.copy_p)
+@_engine.register(_prims.copy_p)
 def _(lw: LoraWeight) -> Any:
     return lw
 
