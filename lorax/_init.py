@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import math
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -57,15 +58,32 @@ def _check(where: str, spec_val: Any, param: Any) -> LoraSpec | None:
             f"batch_ndim={nb}, m_ndim={ls.m_ndim} needs at least one axis on each side "
             "of the factorisation."
         )
-    m, n = math.prod(shape[nb : nb + nm]), math.prod(shape[nb + nm :])
-    if not isinstance(ls.rank, (int, jnp.integer)) or not 0 < ls.rank < min(m, n):
+    if isinstance(ls.rank, bool) or not isinstance(ls.rank, (int, jnp.integer)) or ls.rank < 1:
         raise ValueError(
-            f"init_lora: rank {ls.rank!r} at {where!r} must be between 1 and "
-            f"min(M, N) - 1 = {min(m, n) - 1} for a weight of shape {shape} factored as "
-            f"{shape[:nb]} x {shape[nb:nb + nm]} -> k -> {shape[nb + nm:]}; "
-            "a rank that large is no cheaper than training the weight fully."
+            f"init_lora: rank {ls.rank!r} at {where!r} must be an integer >= 1 "
+            f"(weight of shape {shape})."
         )
     return LoraSpec(int(ls.rank), ls.alpha, nb, nm)
+
+
+def _warn_full_rank(leaves: list, checked: list) -> None:
+    """One warning for every weight whose rank reaches min(M, N) (valid, not cheaper)."""
+    full = []
+    for (path, x), ls in zip(leaves, checked):
+        if ls is None:
+            continue
+        shape = tuple(x.shape)
+        nb, nm = ls.batch_ndim, ls.m_ndim
+        m, n = math.prod(shape[nb : nb + nm]), math.prod(shape[nb + nm :])
+        if ls.rank >= min(m, n):
+            full.append(f"{path_str(path)} (shape {shape}, M={m}, N={n}, rank {ls.rank})")
+    if full:
+        warnings.warn(
+            "init_lora: rank >= min(M, N) on " + "; ".join(full) + ". This trains "
+            "correctly, but the factors hold at least as many numbers as the weight: "
+            "LoRA saves nothing there (consider LORA_FULL or LORA_FREEZE for it).",
+            UserWarning, stacklevel=3,
+        )
 
 
 def init_lora(
@@ -116,8 +134,8 @@ def init_lora(
 
     **Raises:**
 
-    `ValueError` naming the key path for a rank `<= 0` or `>= min(M, N)`, a rank on
-    a vector or a non-float leaf, a spec whose tree doesn't match the params', or a
+    `ValueError` naming the key path for a rank that is not an integer `>= 1`, a
+    rank on a vector or a non-float leaf, a spec whose tree doesn't match the params', or a
     `rank_axis` the weight's sharding already uses.
 
     !!! Example
@@ -135,6 +153,7 @@ def init_lora(
     leaves, treedef = jax.tree_util.tree_flatten_with_path(param_tree, is_leaf=is_leaf)
     spec_leaves = treedef.flatten_up_to(spec)
     checked = [_check(path_str(p), s, x) for (p, x), s in zip(leaves, spec_leaves)]
+    _warn_full_rank(leaves, checked)
     shapes = tuple(
         ((*x.shape[: c.batch_ndim], c.rank, *x.shape[c.batch_ndim + c.m_ndim :]),
          (*x.shape[: c.batch_ndim + c.m_ndim], c.rank))

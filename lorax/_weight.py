@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jax import lax
-from jaxtyping import Array, ArrayLike
+from jax import Array, lax
+from jax.typing import ArrayLike
 
 from . import _engine
 from ._sharding import weight_aval
@@ -23,30 +24,54 @@ def factor_structure(
     so the three ranks determine the groups: no metadata needs to travel with the
     pytree, and slicing a stacked weight inside `lax.scan` keeps it consistent.
     """
-    n_batch = len(b_shape) + len(a_shape) - len(w_shape) - 2
-    n_m = len(b_shape) - n_batch - 1
-    n_n = len(a_shape) - n_batch - 1
-    ok = n_batch >= 0 and n_m >= 1 and n_n >= 1
-    if ok:
-        batch = w_shape[:n_batch]
-        k = b_shape[-1]
-        ok = (
-            b_shape[:n_batch] == batch
-            and a_shape[:n_batch] == batch
-            and b_shape[n_batch:-1] == w_shape[n_batch : n_batch + n_m]
-            and a_shape[n_batch + 1 :] == w_shape[n_batch + n_m :]
-            and a_shape[n_batch] == k
-        )
-    if not ok:
+    structure = _structure(tuple(w_shape), tuple(a_shape), tuple(b_shape))
+    if structure is None:
         raise ValueError(
             "LoraWeight factor shapes do not fit the weight: expected "
             "w: (*batch, *M, *N), b: (*batch, *M, k), a: (*batch, k, *N), got "
             f"w: {tuple(w_shape)}, b: {tuple(b_shape)}, a: {tuple(a_shape)}."
         )
-    return n_batch, n_m, n_n
+    return structure
 
 
-class LoraWeight(_engine.ArrayValue):
+@functools.lru_cache(maxsize=4096)
+def _structure(w_shape: tuple[int, ...], a_shape: tuple[int, ...],
+               b_shape: tuple[int, ...]) -> tuple[int, int, int] | None:
+    n_batch = len(b_shape) + len(a_shape) - len(w_shape) - 2
+    n_m = len(b_shape) - n_batch - 1
+    n_n = len(a_shape) - n_batch - 1
+    if n_batch < 0 or n_m < 1 or n_n < 1:
+        return None
+    batch = w_shape[:n_batch]
+    ok = (
+        b_shape[:n_batch] == batch
+        and a_shape[:n_batch] == batch
+        and b_shape[n_batch:-1] == w_shape[n_batch : n_batch + n_m]
+        and a_shape[n_batch + 1 :] == w_shape[n_batch + n_m :]
+        and a_shape[n_batch] == b_shape[-1]
+    )
+    return (n_batch, n_m, n_n) if ok else None
+
+
+def lorax03_conv_a(w_shape: tuple[int, ...], a_shape: tuple[int, ...],
+                   b_shape: tuple[int, ...]) -> tuple[int, int] | None:
+    """The current shape of `a` if the factors are in lorax 0.3's conv layout, else `None`.
+
+    lorax 0.3 factored a `(*window, in, out)` kernel as `b: (*window, in, k)` and
+    `a: (1, ..., 1, k, out)`, meaning `w + s * b @ a` with `a` broadcast over the
+    window: exactly today's `M = (*window, in)`, `N = (out,)` factorisation with
+    `a: (k, out)`. Only shapes that fit no current layout are read this way.
+    """
+    if len(w_shape) < 3 or len(a_shape) != len(w_shape) or len(b_shape) != len(w_shape):
+        return None
+    k = b_shape[-1]
+    if (a_shape[:-2] == (1,) * (len(w_shape) - 2) and a_shape[-2:] == (k, w_shape[-1])
+            and b_shape[:-1] == w_shape[:-1]):
+        return (k, w_shape[-1])
+    return None
+
+
+class LoraWeight(_engine.ArrayValue, metaclass=_engine.FastPytreeMeta):
     """A frozen weight `w` plus a trainable low-rank update, `w + (alpha / k) * b @ a`.
 
     Shapes follow lorax 0.3: `w: (..., M, N)`, `b: (..., M, k)`, `a: (..., k, N)`.
@@ -56,6 +81,10 @@ class LoraWeight(_engine.ArrayValue):
 
     Inside a function wrapped by [`lorax.lora`][], a `LoraWeight` behaves like the
     array `w + (alpha / k) * b @ a` without that array ever being formed.
+
+    lorax 0.3's conv layout, `w: (*window, in, out)`, `b: (*window, in, k)`,
+    `a: (1, ..., 1, k, out)`, is accepted and stored as `a: (k, out)`: the same
+    values and the same effective weight.
 
     `LoraWeight` is an immutable pytree (an `equinox.Module`) whose leaves are
     `w`, `a` and `b`; `alpha` is static metadata. To replace a factor, build a new
@@ -91,7 +120,13 @@ class LoraWeight(_engine.ArrayValue):
             raise TypeError(
                 f"LoraWeight.alpha must be a Python number (it is static), got {alpha!r}."
             )
-        factor_structure(_shape(w), _shape(a), _shape(b))
+        w_shape, a_shape, b_shape = _shape(w), _shape(a), _shape(b)
+        if _structure(w_shape, a_shape, b_shape) is None:
+            a_shape03 = lorax03_conv_a(w_shape, a_shape, b_shape)
+            if a_shape03 is not None:
+                a = a.reshape(a_shape03) if hasattr(a, "reshape") else jnp.reshape(a, a_shape03)
+            else:
+                factor_structure(w_shape, a_shape, b_shape)  # raises, saying what fits
         self.w = w
         self.a = a
         self.b = b
