@@ -35,10 +35,20 @@ settings.register_profile(
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
 
 
-def assert_close(actual, expected, dtype=np.float32, scale=1.0):
-    """Compare with a tolerance that suits `dtype` and the magnitude of `expected`."""
+def assert_close(actual, expected, dtype=np.float32, scale=1.0, *, rtol=None, atol=None, err_msg=""):
+    """Compare values computed two ways (low-rank vs merged, jit vs eager, sharded vs one
+    device: any other op sequence or reduction order) with a tolerance that suits `dtype`
+    and the magnitude of `expected`.
+
+    The absolute tolerance is `atol` times the largest |expected| (at least 1, times
+    `scale`): an element that cancels to ~0 keeps the rounding error of the terms it was
+    summed from, so numpy's default atol=0 fails it on a reordered sum. `rtol` defaults
+    to 4x the dtype's tolerance and `atol` to `rtol`. Claims of bit-identity use
+    `np.testing.assert_array_equal` instead."""
     actual = np.asarray(actual, np.float32)
     expected = np.asarray(expected, np.float32)
     tol = {np.dtype("float32"): 2e-5, np.dtype(jax.numpy.bfloat16): 2e-2}[np.dtype(dtype)]
+    rtol = tol * 4 if rtol is None else rtol
+    atol = rtol if atol is None else atol
     mag = max(1.0, float(np.abs(expected).max(initial=0.0))) * scale
-    np.testing.assert_allclose(actual, expected, rtol=tol * 4, atol=tol * mag * 4)
+    np.testing.assert_allclose(actual, expected, rtol=rtol, atol=atol * mag, err_msg=err_msg)

@@ -6,10 +6,10 @@ import equinox as eqx
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
 import lorax
+from conftest import assert_close
 
 
 class Block(nn.Module):
@@ -60,7 +60,7 @@ def test_flax_layouts_inferred():
     lw = lp["ScanBlock_0"]["Dense_0"]["kernel"]
     lp["ScanBlock_0"]["Dense_0"]["kernel"] = lorax.LoraWeight(lw.w, lw.a, lw.b + 0.1)
     out = lorax.lora(apply, on_materialize="error")(lp, x)
-    np.testing.assert_allclose(out, apply(lorax.merge_params(lp), x), rtol=1e-4, atol=1e-5)
+    assert_close(out, apply(lorax.merge_params(lp), x), rtol=1e-4, atol=1e-5)
 
 
 def test_equinox_out_in_weight_and_tied_embedding():

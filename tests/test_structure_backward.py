@@ -24,6 +24,7 @@ import pytest
 from jax import lax
 
 import lorax
+from conftest import assert_close
 from lorax._rules import _contract as contract_mod
 from lorax._rules import dot as dot_mod
 
@@ -226,7 +227,7 @@ def test_negative_control_materializing_dot_rule_is_detected(monkeypatch):
     x = jnp.asarray(np.random.default_rng(2).standard_normal(x_shape), jnp.float32)
     expected = _lora_forward(model)(params, x)
     monkeypatch.setattr(dot_mod, "lora_contract", materializing)
-    np.testing.assert_allclose(_lora_forward(model)(params, x), expected, rtol=1e-5, atol=1e-5)
+    assert_close(_lora_forward(model)(params, x), expected, rtol=1e-5)  # outputs reach ~30
     jaxpr = _grad_jaxpr(model, params, x_shape, _lora_forward)
     assert weight_shaped_ops(jaxpr, _weight_shapes(params))
 
