@@ -81,11 +81,38 @@ def loss(cfg: Config, params, windows):
     return optax.softmax_cross_entropy_with_integer_labels(out, windows[:, 1:]).mean()
 
 
-def generate(cfg: Config, params, prompt, n_new: int, key, temperature=0.8, top_k=40):
+def sample_token(logits, key, temperature: float, top_p: float):
+    """One token from `logits` (vocab,): nucleus (top-p) sampling at `temperature`.
+
+    Keeps the most probable tokens up to the first whose cumulative probability reaches
+    `top_p` (so the top token always survives) and samples from them renormalised.
+    `temperature` and `top_p` are Python numbers, fixed at trace time; temperature 0 is
+    greedy decoding.
+    """
+    if temperature == 0:
+        return jnp.argmax(logits)
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    scaled = logits.astype(jnp.float32) / temperature
+    if top_p == 1:  # nothing to cut: skip the sort over the vocabulary
+        return jax.random.categorical(key, scaled)
+    order = jnp.argsort(scaled, descending=True)
+    probs = jax.nn.softmax(scaled[order])
+    # The mass strictly before a token decides: a token is kept while the tokens above
+    # it have not yet reached top_p, which also keeps the top one (mass 0 before it).
+    keep = jnp.zeros(scaled.shape, bool).at[order].set(jnp.cumsum(probs) - probs < top_p)
+    # Drawn in vocabulary order, so a key's random numbers belong to the same tokens
+    # for any two models (and with or without the cut); categorical renormalises.
+    return jax.random.categorical(key, jnp.where(keep, scaled, -jnp.inf))
+
+
+def generate(cfg: Config, params, prompt, n_new: int, key, temperature=1.0, top_p=0.9):
     """Sample `n_new` tokens after `prompt` (1-d int array), without a KV cache.
 
     Every step runs the whole fixed-length buffer; the causal mask keeps the unfilled
     tail from affecting earlier positions, so one compiled shape serves every step.
+    The same `key` gives the same random numbers at every step, so two parameter sets
+    sampled with it differ only because their weights do.
     """
     n_prompt = prompt.shape[0]
     buf = jnp.zeros(n_prompt + n_new, jnp.int32).at[:n_prompt].set(prompt)
@@ -93,9 +120,9 @@ def generate(cfg: Config, params, prompt, n_new: int, key, temperature=0.8, top_
     def step(i, carry):
         buf, key = carry
         h = hidden_states(cfg, params, buf[None])[0, i - 1]
-        top, idx = lax.top_k(h @ params["embed"].T / temperature, top_k)
         key, sub = jax.random.split(key)
-        return buf.at[i].set(idx[jax.random.categorical(sub, top)]), key
+        token = sample_token(h @ params["embed"].T, sub, temperature, top_p)
+        return buf.at[i].set(token.astype(jnp.int32)), key
 
     buf, _ = lax.fori_loop(n_prompt, n_prompt + n_new, step, (buf, key))
     return buf[n_prompt:]

@@ -40,11 +40,20 @@ def parse_args(argv):
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--lr", type=float, default=4e-3)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0,
+                   help="data order, LoRA init and the sample's random key (the same "
+                   "key before and after training)")
     p.add_argument("--out", default="shakespeare-lora")
     p.add_argument("--eval-windows", type=int, default=32,
                    help="held-out windows of --seq tokens, the same before and after")
     p.add_argument("--sample-tokens", type=int, default=40)
+    # Temperature 1 shows the model's own distribution; the 10% tail cut keeps rare
+    # junk tokens out. At 0.8 / 0.95 one of four keys looped after training.
+    p.add_argument("--temperature", type=float, default=1.0,
+                   help="sampling temperature; 0 is greedy decoding")
+    p.add_argument("--top-p", type=float, default=0.9,
+                   help="nucleus sampling: draw from the most probable tokens up to "
+                   "this cumulative probability (1 keeps them all)")
     p.add_argument("--quick", action="store_true",
                    help="smoke-test settings: 2 steps, seq 32, 2 eval windows, 5-token sample")
     args = p.parse_args(argv)
@@ -54,6 +63,8 @@ def parse_args(argv):
     unknown = set(args.targets) - set(TARGETS)
     if unknown or not args.targets:
         p.error(f"--targets: choose from {','.join(TARGETS)} (got unknown {sorted(unknown)})")
+    if args.temperature < 0 or not 0 < args.top_p <= 1:
+        p.error("--temperature must be >= 0 and --top-p in (0, 1]")
     return args
 
 
@@ -215,8 +226,11 @@ def main(argv=None):
 
     # Untuned and tuned runs go through the same LoRA-wrapped functions (b = 0 at
     # init leaves the model unchanged), so each compiles once.
-    generate = jax.jit(lorax.lora(functools.partial(llama.generate, cfg), on_materialize="error"),
-                       static_argnums=2)
+    # The sampling settings are bound as constants, so greedy (temperature 0) or
+    # top_p = 1 compile without the branches they don't use.
+    generate = jax.jit(lorax.lora(
+        functools.partial(llama.generate, cfg, temperature=args.temperature, top_p=args.top_p),
+        on_materialize="error"), static_argnums=2)
     prompt = jnp.asarray(tokenizer.encode(PROMPT).ids, jnp.int32)
 
     def sample(p):
