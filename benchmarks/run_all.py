@@ -1,12 +1,13 @@
-"""Run the benchmarks (memory, trace time, dispatch, speed); results under `benchmarks/results/`.
+"""Run the benchmarks (memory, trace time, dispatch, speed, blocks); results under `benchmarks/results/`.
 
-    python -m benchmarks                      # everything, default sizes (~20 min on 2 cores)
-    python -m benchmarks --quick              # smoke run of all three
+    python -m benchmarks                      # everything, default sizes (~20 min on 2 cores + blocks)
+    python -m benchmarks --quick              # smoke run of every benchmark
     python -m benchmarks --out DIR --only memory,trace_time,dispatch
 
-`--quick` and `--out` are passed to every benchmark. The speed benchmark is run last:
-memory and trace time do not depend on machine load (trace time a little), speed does,
-so check `cat /proc/loadavg` before a run you mean to report.
+`--quick` and `--out` are passed to every benchmark. The speed benchmarks (speed, then
+the transformer blocks) are run last: memory and trace time do not depend on machine load
+(trace time a little), speed does, so check `cat /proc/loadavg` before a run you mean to
+report.
 """
 
 from __future__ import annotations
@@ -20,9 +21,10 @@ if __package__ in (None, ""):
     __package__ = "benchmarks"
 
 from . import _common as C  # noqa: E402
-from . import dispatch, memory, speed, trace_time  # noqa: E402
+from . import blocks, dispatch, memory, speed, trace_time  # noqa: E402
 
-BENCHMARKS = {"memory": memory, "trace_time": trace_time, "dispatch": dispatch, "speed": speed}
+BENCHMARKS = {"memory": memory, "trace_time": trace_time, "dispatch": dispatch, "speed": speed,
+              "blocks": blocks}
 
 
 def main(argv: list[str] | None = None) -> Path:

@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks import _impls, dispatch, memory, speed, trace_time  # noqa: E402
+from benchmarks import _impls, blocks, dispatch, memory, speed, trace_time  # noqa: E402
 
 
 def _rows(path: Path) -> list[dict[str, str]]:
@@ -82,3 +82,21 @@ def test_dispatch_quick(tmp_path):
         (f, c) for f in ("args", "identity") for c in dispatch.CONTAINERS}
     assert all(float(r["us_per_call"]) > 0 for r in rows)
     assert "`lorax` / `dict`" in (tmp_path / "dispatch.md").read_text()
+
+
+def test_blocks_quick(tmp_path):
+    blocks.main(["--quick", "--out", str(tmp_path)])
+    rows = _rows(tmp_path / "blocks.csv")
+    md = (tmp_path / "blocks.md").read_text()
+    assert {(r["model"], r["impl"]) for r in rows} == {
+        (m, n) for m in blocks.MODELS for n in blocks.impls_for(m)}
+    assert "MISMATCH" not in md  # every LoRA implementation: the same first-step loss
+    assert "lorax <= 1.25x the floor in every cell" in md
+    assert "lorax <= 0.7x hand-written einsum LoRA on the einsum d512 r8 8x128 block" in md
+    assert "lorax <= 0.65x full FT" in md
+    assert "**cpu**" in md and "**jax**" in md
+    # HLO statistics come from every compiled step.
+    assert all(float(r["gflops"]) > 0 and float(r["gb_accessed"]) > 0 for r in rows)
+    assert (tmp_path / "blocks_rounds.csv").exists()
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert (tmp_path / "blocks.png").stat().st_size > 0

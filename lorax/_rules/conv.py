@@ -18,7 +18,7 @@ from jax.typing import ArrayLike
 
 from .. import _engine
 from .._weight import LoraWeight
-from .dot import scale
+from ._contract import scale
 
 
 @_engine.register(lax.conv_general_dilated_p)

@@ -24,8 +24,7 @@ from jax.typing import ArrayLike
 
 from .. import _engine
 from .._weight import LoraWeight
-from .dot import scale
-from ._contract import arrange, contract
+from ._contract import arrange, contract, scale
 
 
 def _touched(dn: lax.GatherDimensionNumbers, slice_sizes: Sequence[int], shape: Sequence[int]) -> set[int]:

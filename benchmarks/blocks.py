@@ -1,0 +1,897 @@
+"""Training-step speed on multi-axis transformer blocks: lorax vs hand-written LoRA, full FT, the floor.
+
+Models (written with no LoRA in mind; 4 layers, pre-norm RMSNorm, causal softmax
+attention, gelu MLP with hidden 4·d, d // 64 heads of 64, no biases; input x is a
+`(batch, seq, d)` float array, loss = mean square of the last layer's output):
+
+- `einsum`: attention kernels as multi-axis einsums, `wq`/`wk`/`wv` `(d, heads, 64)`
+  through `einsum("btd,dhk->bthk")`, `wo` `(heads, 64, d)` through
+  `einsum("bthk,hkd->btd")`; MLP `up` `(d, 4d)`, `down` `(4d, d)` as `x @ w`.
+- `2d`: the same decoder with `(d, d)` attention kernels and reshapes to heads (the same
+  weight values as `einsum`, reshaped: the two compute the same function).
+- `nnx`: a Flax NNX stack (`nnx.MultiHeadAttention` with a causal mask, `nnx.Linear` MLP,
+  `nnx.RMSNorm`, `use_bias=False`), applied functionally through `nnx.split`/`nnx.merge`.
+
+The plain-JAX models call `dense(layer, name, h)` for every projection; the plain model
+(used by full FT, the floor and lorax) has `dense = einsum/matmul with params[layer][name]`,
+the hand-written LoRA steps supply their own `dense`.
+
+LoRA on q, k, v, o, up, down (rank r, alpha 2r: scale 2); everything else frozen. All LoRA
+implementations of a cell start from the same factor values (`a` and `b` both
+N(0, 0.02²), so the low-rank path matters); their first-step losses must agree
+(rtol 1e-4), else `MISMATCH` is printed and written into the markdown.
+
+Implementations (all `optax.adam(1e-3)` on what they train; training state donated;
+frozen weights and the batch passed as plain jit arguments):
+
+- `full_ft`: gradient + Adam on every weight.
+- `floor`: the frozen model's forward + backward w.r.t. the input x only.
+- `hand_einsum` (einsum, 2d): `einsum(x, sg(W)) + einsum(einsum(x, B) * s, A)`, `B` over
+  W's input axes + rank, `A` over rank + W's output axes; for `2d` and the MLP plain
+  `x @ sg(W) + ((x @ B) * s) @ A`.
+- `hand_2d` (einsum, 2d): the base as in the model, the low-rank path as 2-D matmuls on
+  `(batch·seq, features)`: `((x.reshape(rows, K) @ B2) * s) @ A2`, reshaped back.
+- `qwix` (nnx): qwix's LoRA, `qwix.LoraProvider(module_path=..., rank=r, alpha=2r)` +
+  `qwix.apply_lora_to_model`; its `nnx.LoRAParam` state split off with `nnx.split` and
+  trained (the rest passed frozen). Skipped, with a note, when qwix is not installed.
+- `lorax`: the unmodified model in `lorax.lora(..., on_materialize="error")`, factors laid
+  out by `lorax.infer_layout` (wq: d -> k -> (h, hd); wo: (h, hd) -> k -> d),
+  `lorax.partition` outside the step and `lorax.combine` inside (as `lorax_partition` in
+  `_impls.py`).
+
+The reference "hand-written LoRA" of the ratios is `hand_einsum` for `einsum`/`2d` and
+`qwix` for `nnx`.
+
+Method (as `speed.py`): every step jitted, lowered and compiled once per cell (full FT and
+the floor shared by the cells that differ only in rank; the training state of an
+implementation shared by the cells that differ only in batch x seq), first call and one
+warm call, then interleaved rounds in one process (each round runs every implementation
+once per cell, rotating order; one measurement = `n_inner` back-to-back steps,
+`block_until_ready` at the end). Per round, paired ratios to the floor, to full FT and to
+the reference LoRA; medians over rounds.
+
+From each compiled executable (deterministic, no timing): XLA's `cost_analysis()`
+"flops" and "bytes accessed" (the whole step, fusions as XLA's CPU cost model counts
+them), and in `compiled.as_text()` (the optimized HLO module: the entry computation and
+every fused / called computation) the number of instructions matching
+`= <shape> transpose(` and `= <shape> copy(` (regex `= \\S+ transpose\\(` /
+`= \\S+ copy\\(`: each `transpose` / `copy` instruction once, wherever it sits, so a
+transpose fused into a loop fusion counts as well as a materialised one; not counted:
+`copy-start`/`copy-done`, `bitcast`s, layout changes folded into a `dot`, and the
+`transpose(` in metadata op names), plus the `dot(` instructions.
+`block_stats(...)` returns those numbers for one step without running it.
+
+    python -m benchmarks.blocks                # default grid (3 models x 3 dims x 2 ranks x 2 shapes)
+    python -m benchmarks.blocks --quick        # one tiny cell per model, 2 rounds
+    python -m benchmarks.blocks --stats-only --models einsum --dims 512 --ranks 8 --shapes 8x128
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import importlib.util
+import math
+import re
+import sys
+import time
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax import lax
+
+if __package__ in (None, ""):  # `python benchmarks/blocks.py`
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    __package__ = "benchmarks"
+
+import lorax  # noqa: E402
+
+from . import _common as C  # noqa: E402
+
+MODELS = ("einsum", "2d", "nnx")
+IMPLS = {
+    "einsum": ("full_ft", "floor", "hand_einsum", "hand_2d", "lorax"),
+    "2d": ("full_ft", "floor", "hand_einsum", "hand_2d", "lorax"),
+    "nnx": ("full_ft", "floor", "qwix", "lorax"),
+}
+REF = {"einsum": "hand_einsum", "2d": "hand_einsum", "nnx": "qwix"}
+HAVE_QWIX = importlib.util.find_spec("qwix") is not None
+
+
+def impls_for(model: str) -> tuple[str, ...]:
+    """The implementations run for `model` (`qwix` only when qwix is installed)."""
+    return tuple(n for n in IMPLS[model] if n != "qwix" or HAVE_QWIX)
+LORA_IMPLS = ("hand_einsum", "hand_2d", "qwix", "lorax")
+DESCRIPTIONS = {
+    "full_ft": "full fine-tuning, Adam on every weight",
+    "floor": "frozen forward + backward w.r.t. x only",
+    "hand_einsum": "hand-written LoRA as einsums, einsum(x, sg(W)) + einsum(einsum(x, B)*s, A)",
+    "hand_2d": "hand-written LoRA, low-rank path as 2-D matmuls on (batch*seq, features)",
+    "qwix": "qwix.LoraProvider + qwix.apply_lora_to_model, nnx.LoRAParam trained",
+    "lorax": "lorax.lora(model) on the partition/combine path, infer_layout factors",
+}
+DEFAULT = dict(dims=(256, 512, 1024), ranks=(8, 64), shapes=((8, 128), (4, 512)), layers=4, rounds=5)
+QUICK = dict(dims=(128,), ranks=(8,), shapes=((2, 32),), layers=2, rounds=2)
+HEAD_DIM = 64
+LR = 1e-3
+FACTOR_STD = 0.02
+TARGETS_MD = (
+    "Targets (issue \"Speed on multi-axis transformer blocks\"): "
+    "**lorax <= 1.25x the floor in every cell**; "
+    "**lorax <= 0.7x hand-written einsum LoRA on the einsum d512 r8 8x128 block**; "
+    "**lorax <= 0.65x full FT**."
+)
+
+# -- models -------------------------------------------------------------------------
+
+QKV = ("wq", "wk", "wv")
+TARGET_NAMES = (*QKV, "wo", "up", "down")
+# How each plain-JAX model contracts an activation with each weight (None: `h @ w`).
+EQ = {
+    "einsum": {"wq": "btd,dhk->bthk", "wk": "btd,dhk->bthk", "wv": "btd,dhk->bthk",
+               "wo": "bthk,hkd->btd", "up": None, "down": None},
+    "2d": {n: None for n in TARGET_NAMES},
+}
+
+
+def _contract(eq: str | None, h: jax.Array, w: jax.Array) -> jax.Array:
+    return h @ w if eq is None else jnp.einsum(eq, h, w)
+
+
+def _rms(x: jax.Array, scale: jax.Array, eps: float = 1e-6) -> jax.Array:
+    return x * lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * scale
+
+
+def _attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    """Causal softmax attention, q/k/v `(batch, seq, heads, head_dim)`."""
+    t = q.shape[1]
+    s = jnp.einsum("bqhk,bshk->bhqs", q, k) / math.sqrt(q.shape[-1])
+    s = jnp.where(jnp.tril(jnp.ones((t, t), bool)), s, jnp.finfo(s.dtype).min)
+    return jnp.einsum("bhqs,bshk->bqhk", jax.nn.softmax(s, axis=-1), v)
+
+
+def decoder(kind: str, dense: Callable, params: Any, x: jax.Array) -> jax.Array:
+    """The `einsum` or `2d` decoder; `dense(layer, name, h)` applies weight `name`."""
+    b, t, d = x.shape
+    heads = d // HEAD_DIM
+    for i, lp in enumerate(params["layers"]):
+        h = _rms(x, lp["ln1"])
+        if kind == "einsum":
+            q, k, v = (dense(i, n, h) for n in QKV)
+            o = _attention(q, k, v)
+        else:
+            q, k, v = (dense(i, n, h).reshape(b, t, heads, HEAD_DIM) for n in QKV)
+            o = _attention(q, k, v).reshape(b, t, d)
+        x = x + dense(i, "wo", o)
+        h = _rms(x, lp["ln2"])
+        x = x + dense(i, "down", jax.nn.gelu(dense(i, "up", h)))
+    return x
+
+
+def plain_apply(kind: str) -> Callable[[Any, jax.Array], jax.Array]:
+    """`apply(params, x)`: the model as written, no LoRA anywhere."""
+    def apply(params, x):
+        return decoder(kind, lambda i, n, h: _contract(EQ[kind][n], h, params["layers"][i][n]),
+                       params, x)
+    return apply
+
+
+def weight_shapes(kind: str, d: int) -> dict[str, tuple[int, ...]]:
+    heads = d // HEAD_DIM
+    if kind == "einsum":
+        qkv, o = (d, heads, HEAD_DIM), (heads, HEAD_DIM, d)
+    else:
+        qkv, o = (d, d), (d, d)
+    return {"ln1": (d,), "wq": qkv, "wk": qkv, "wv": qkv, "wo": o, "ln2": (d,),
+            "up": (d, 4 * d), "down": (4 * d, d)}
+
+
+def make_params(kind: str, d: int, layers: int, seed: int = 0) -> dict[str, Any]:
+    shapes = weight_shapes(kind, d)
+    key = jax.random.PRNGKey(seed)
+    out = []
+    for i in range(layers):
+        lp = {}
+        for j, (n, s) in enumerate(shapes.items()):
+            if len(s) == 1:
+                lp[n] = jnp.ones(s, jnp.float32)
+            else:
+                fan_in = d if n in (*QKV, "wo") else s[0]
+                k = jax.random.fold_in(key, 100 * i + j)
+                lp[n] = jax.random.normal(k, s, jnp.float32) / math.sqrt(fan_in)
+        out.append(lp)
+    return {"layers": out}
+
+
+def _nnx_classes():
+    from flax import nnx
+
+    class Block(nnx.Module):
+        def __init__(self, d: int, rngs: nnx.Rngs):
+            self.norm1 = nnx.RMSNorm(d, rngs=rngs)
+            self.attn = nnx.MultiHeadAttention(num_heads=d // HEAD_DIM, in_features=d,
+                                               decode=False, use_bias=False, rngs=rngs)
+            self.norm2 = nnx.RMSNorm(d, rngs=rngs)
+            self.up = nnx.Linear(d, 4 * d, use_bias=False, rngs=rngs)
+            self.down = nnx.Linear(4 * d, d, use_bias=False, rngs=rngs)
+
+        def __call__(self, x):
+            x = x + self.attn(self.norm1(x), mask=nnx.make_causal_mask(x[..., 0]))
+            return x + self.down(nnx.gelu(self.up(self.norm2(x))))
+
+    class Stack(nnx.Module):
+        def __init__(self, d: int, layers: int, rngs: nnx.Rngs):
+            self.layers = nnx.List([Block(d, rngs) for _ in range(layers)])
+
+        def __call__(self, x):
+            for layer in self.layers:
+                x = layer(x)
+            return x
+
+    return Stack
+
+
+def make_nnx(d: int, layers: int, seed: int = 0) -> Any:
+    from flax import nnx
+    return _nnx_classes()(d, layers, nnx.Rngs(seed))
+
+
+def loss_value(y: jax.Array) -> jax.Array:
+    return jnp.mean(y ** 2)
+
+
+# -- building the steps -------------------------------------------------------------------
+
+
+def _own(tree: Any) -> Any:
+    """A private copy of every array, so that donating it deletes nothing shared."""
+    return jax.tree_util.tree_map(lambda a: jnp.array(a, copy=True), tree)
+
+
+def _path(keypath: tuple) -> str:
+    parts = []
+    for k in keypath:
+        for attr in ("key", "idx", "name"):
+            if hasattr(k, attr):
+                parts.append(str(getattr(k, attr)))
+                break
+        else:
+            parts.append(str(k))
+    return "/".join(parts)
+
+
+def _is_lora(x: Any) -> bool:
+    return isinstance(x, lorax.LoraWeight)
+
+
+def _train_step(loss: Callable, opt: optax.GradientTransformation) -> Callable:
+    def step(tr, st, *const):
+        l, g = jax.value_and_grad(loss)(tr, *const)
+        u, st = opt.update(g, st, tr)
+        return l, optax.apply_updates(tr, u), st
+    return step
+
+
+class Holder:
+    """The training state one implementation threads from step to step; shared by the
+    cells that differ only in batch x seq (their executables take the same state)."""
+
+    def __init__(self, state: tuple, keep_init: bool):
+        self.state = state
+        self._init = _own(state) if keep_init else None
+
+    def reset(self) -> None:
+        """Back to the initial values (LoRA states only: small), for the loss check."""
+        if self._init is not None:
+            self.state = _own(self._init)
+
+
+@dataclasses.dataclass
+class Step:
+    fn: Callable
+    holder: Holder
+    const: tuple
+    # qwix 0.1.8 uses NNX APIs flax 0.12 deprecates (`.value`, `iter_modules`): its
+    # DeprecationWarnings are silenced while it builds and traces.
+    quiet: bool = False
+
+    def compile(self):
+        n = len(self.holder.state)
+        with warnings.catch_warnings():
+            if self.quiet:
+                warnings.filterwarnings("ignore", category=DeprecationWarning)
+            return jax.jit(self.fn, donate_argnums=tuple(range(n))).lower(
+                *self.holder.state, *self.const).compile()
+
+
+class Builder:
+    """Builds every step, sharing weights, factors and training states between cells."""
+
+    def __init__(self, layers: int):
+        self.layers = layers
+        self.cache: dict[tuple, Any] = {}
+
+    def _get(self, key: tuple, make: Callable[[], Any]) -> Any:
+        if key not in self.cache:
+            self.cache[key] = make()
+        return self.cache[key]
+
+    # model-level objects
+    def base(self, kind: str, d: int) -> tuple[Callable, Any, Any]:
+        """`(apply, params, extra)`; for nnx `extra` is the module, params its state."""
+        def make():
+            if kind == "nnx":
+                from flax import nnx
+                model = make_nnx(d, self.layers)
+                graphdef, state = nnx.split(model)
+                return (lambda p, x: nnx.merge(graphdef, p)(x)), state, model
+            return plain_apply(kind), make_params(kind, d, self.layers), None
+        return self._get(("base", kind, d), make)
+
+    def x(self, d: int, batch: int, seq: int) -> jax.Array:
+        return self._get(("x", d, batch, seq), lambda: jax.random.normal(
+            jax.random.PRNGKey(1), (batch, seq, d), jnp.float32))
+
+    def lora_params(self, kind: str, d: int, rank: int) -> tuple[Any, Any]:
+        """lorax's LoRA tree (b nonzero) and spec: the factor values every LoRA impl uses."""
+        def make():
+            apply, params, _ = self.base(kind, d)
+            targets = (r"/(query|key|value|out|up|down)/kernel" if kind == "nnx"
+                       else r"/(wq|wk|wv|wo|up|down)$")
+            spec = lorax.simple_spec(params, targets=targets, rank=rank)
+            x = jax.ShapeDtypeStruct((1, 8, d), jnp.float32)
+            spec = lorax.infer_layout(apply, params, spec, x)
+            lp = lorax.init_lora(params, spec, jax.random.PRNGKey(2), stddev=FACTOR_STD,
+                                 alpha=2.0 * rank)
+            leaves, treedef = jax.tree_util.tree_flatten(lp, is_leaf=_is_lora)
+            out = []
+            for i, leaf in enumerate(leaves):
+                if _is_lora(leaf):
+                    b = FACTOR_STD * jax.random.normal(jax.random.PRNGKey(1000 + i), leaf.b.shape)
+                    leaf = eqx.tree_at(lambda l: l.b, leaf, b.astype(leaf.b.dtype))
+                out.append(leaf)
+            return jax.tree_util.tree_unflatten(treedef, out), spec
+        return self._get(("lora", kind, d, rank), make)
+
+    def holder(self, key: tuple, make: Callable[[], tuple], keep_init: bool) -> Holder:
+        return self._get(("holder", *key), lambda: Holder(make(), keep_init))
+
+    # the steps
+    def build(self, impl: str, kind: str, d: int, rank: int, batch: int, seq: int) -> Step:
+        apply, params, module = self.base(kind, d)
+        x = self.x(d, batch, seq)
+        opt = optax.adam(LR)
+
+        if impl == "full_ft":
+            def make():
+                p = _own(params)
+                return (p, opt.init(p))
+            h = self.holder((impl, kind, d), make, keep_init=False)
+            return Step(_train_step(lambda p, x: loss_value(apply(p, x)), opt), h, (x,))
+
+        if impl == "floor":
+            def step(p, x):
+                return (jax.grad(lambda x: loss_value(apply(p, x)))(x),)
+            return Step(step, Holder((), False), (params, x))
+
+        lp, spec = self.lora_params(kind, d, rank)
+        if impl == "lorax":
+            lora_loss = lorax.lora(lambda p, x: loss_value(apply(p, x)), on_materialize="error")
+            trainable, frozen = lorax.partition(lp, spec)
+
+            def loss(tr, fr, x):
+                return lora_loss(lorax.combine(tr, fr), x)
+
+            def make():
+                tr = _own(trainable)
+                return (tr, opt.init(tr))
+            h = self.holder((impl, kind, d, rank), make, keep_init=True)
+            return Step(_train_step(loss, opt), h, (frozen, x))
+
+        if impl in ("hand_einsum", "hand_2d"):
+            if kind == "nnx":
+                raise ValueError(f"{impl} is for the einsum and 2d models; nnx has qwix")
+            eqs, scale = EQ[kind], 2.0  # alpha / rank
+            layers = lp["layers"]
+            if impl == "hand_einsum":  # factors in lorax's layout: b (*M, k), a (k, *N)
+                factors = [{n: (l[n].a, l[n].b) for n in TARGET_NAMES} for l in layers]
+            else:  # 2-D factors: b (K, k), a (k, N)
+                factors = [{n: (l[n].a.reshape(rank, -1), l[n].b.reshape(-1, rank))
+                            for n in TARGET_NAMES} for l in layers]
+
+            def lowrank(eq, h, a, b):
+                if impl == "hand_2d":
+                    lo = (h.reshape(-1, b.shape[0]) @ b) * scale
+                    return lo @ a
+                if eq is None:
+                    return ((h @ b) * scale) @ a
+                xs, rest = eq.split(",")
+                ws, out = rest.split("->")
+                inner = "".join(c for c in ws if c in xs)
+                outer = "".join(c for c in ws if c not in xs)
+                keep = "".join(c for c in xs if c not in inner)
+                lo = jnp.einsum(f"{xs},{inner}r->{keep}r", h, b) * scale
+                return jnp.einsum(f"{keep}r,r{outer}->{out}", lo, a)
+
+            def loss(fs, fr, x):
+                def dense(i, n, h):
+                    base = _contract(eqs[n], h, lax.stop_gradient(fr["layers"][i][n]))
+                    a, b = fs[i][n]
+                    return base + lowrank(eqs[n], h, a, b).reshape(base.shape)
+                return loss_value(decoder(kind, dense, fr, x))
+
+            def make():
+                fs = _own(factors)
+                return (fs, opt.init(fs))
+            h = self.holder((impl, kind, d, rank), make, keep_init=True)
+            return Step(_train_step(loss, opt), h, (params, x))
+
+        if impl == "qwix":
+            if kind != "nnx":
+                raise ValueError("qwix is for the nnx model")
+            from flax import nnx
+            graphdef, lora_state, rest = self._get(("qwix", d, rank), lambda: self._qwix(
+                module, lp, d, rank))
+
+            def loss(lo, rest, x):
+                return loss_value(nnx.merge(graphdef, lo, rest)(x))
+
+            def make():
+                lo = _own(lora_state)
+                return (lo, opt.init(lo))
+            h = self.holder((impl, kind, d, rank), make, keep_init=True)
+            return Step(_train_step(loss, opt), h, (rest, x), quiet=True)
+
+        raise ValueError(f"unknown implementation {impl!r} for model {kind!r}")
+
+    @staticmethod
+    def _qwix(module: Any, lp: Any, d: int, rank: int) -> tuple:
+        """qwix's LoRA model with lorax's factor values: qwix's `lora_a` (fan-in,
+        `(K, k)`) is lorax's `b`, its `lora_b` (`(k, N)`) lorax's `a`."""
+        import qwix
+        from flax import nnx
+        provider = qwix.LoraProvider(module_path=r".*/(query|key|value|out|up|down)",
+                                     rank=rank, alpha=2.0 * rank)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", category=DeprecationWarning)
+            qm = qwix.apply_lora_to_model(module, provider, jnp.zeros((1, 8, d), jnp.float32),
+                                          rngs=nnx.Rngs(0))
+        graphdef, lora_state, rest = nnx.split(qm, nnx.LoRAParam, ...)
+        ours = {_path(p).removesuffix("/value"): w for p, w in
+                jax.tree_util.tree_flatten_with_path(lp, is_leaf=_is_lora)[0] if _is_lora(w)}
+
+        def value(path, leaf):
+            p = _path(path).removesuffix("/value")
+            m = re.fullmatch(r"(.*)/(\w+)_lora_([ab])", p)
+            w = ours[f"{m.group(1)}/{m.group(2)}"]
+            src = w.b.reshape(-1, rank) if m.group(3) == "a" else w.a.reshape(rank, -1)
+            assert src.shape == leaf.shape, (p, src.shape, leaf.shape)
+            return src.astype(leaf.dtype)
+
+        lora_state = jax.tree_util.tree_map_with_path(value, lora_state)
+        n = len(jax.tree_util.tree_leaves(lora_state))
+        assert n == 2 * len(ours), (n, len(ours))
+        return graphdef, lora_state, rest
+
+
+# -- compiled-HLO statistics ------------------------------------------------------------------
+
+_TRANSPOSE = re.compile(r"= \S+ transpose\(")
+_COPY = re.compile(r"= \S+ copy\(")
+_DOT = re.compile(r"= \S+ dot\(")
+
+
+def hlo_stats(compiled: Any) -> dict[str, float]:
+    """flops, bytes accessed (XLA cost analysis) and transpose/copy/dot counts of a
+    compiled executable's optimized HLO (see the module docstring for what is counted)."""
+    cost = compiled.cost_analysis()
+    if isinstance(cost, (list, tuple)):
+        cost = cost[0]
+    text = compiled.as_text()
+    return {
+        "flops": float(cost.get("flops", float("nan"))),
+        "bytes_accessed": float(cost.get("bytes accessed", float("nan"))),
+        "transposes": len(_TRANSPOSE.findall(text)),
+        "copies": len(_COPY.findall(text)),
+        "dots": len(_DOT.findall(text)),
+    }
+
+
+def block_stats(model_name: str, d: int, rank: int, batch: int, seq: int, impl: str,
+                layers: int = 4) -> dict[str, float]:
+    """Compile one training step (nothing runs) and return its HLO statistics:
+    `{"flops", "bytes_accessed", "transposes", "copies", "dots"}`."""
+    step = Builder(layers).build(impl, model_name, d, rank, batch, seq)
+    return hlo_stats(step.compile())
+
+
+# -- the benchmark ---------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Runner:
+    impl: str
+    compiled: Any
+    holder: Holder
+    const: tuple
+    stats: dict[str, float]
+    warm: float = float("nan")
+
+    def call(self) -> Any:
+        out = self.compiled(*self.holder.state, *self.const)
+        if self.holder.state:
+            self.holder.state = tuple(out[1:])
+        return out
+
+    def measure(self, n: int) -> float:
+        t0 = time.perf_counter()
+        for _ in range(n):
+            out = self.call()
+        jax.block_until_ready(out)
+        return (time.perf_counter() - t0) / n
+
+
+@dataclasses.dataclass
+class Cell:
+    model: str
+    d: int
+    rank: int
+    batch: int
+    seq: int
+    runners: dict[str, Runner]
+    n_inner: int = 1
+    first_loss: dict[str, float] = dataclasses.field(default_factory=dict)
+    times: dict[str, list[float]] = dataclasses.field(default_factory=dict)
+
+    @property
+    def label(self) -> str:
+        return f"d{self.d} r{self.rank} {self.batch}x{self.seq}"
+
+
+def _ints(s: str) -> tuple[int, ...]:
+    return tuple(int(v) for v in s.split(",") if v)
+
+
+def _shapes(s: str) -> tuple[tuple[int, int], ...]:
+    out = []
+    for v in s.split(","):
+        if v:
+            b, t = v.lower().split("x")
+            out.append((int(b), int(t)))
+    return tuple(out)
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--models", default=",".join(MODELS), help=f"comma-separated subset of {MODELS}")
+    p.add_argument("--dims", default=None, help=f"comma-separated d (default {DEFAULT['dims']})")
+    p.add_argument("--ranks", default=None, help=f"comma-separated ranks (default {DEFAULT['ranks']})")
+    p.add_argument("--shapes", default=None,
+                   help="comma-separated batch x seq, e.g. 8x128,4x512 (the default)")
+    p.add_argument("--layers", type=int, default=None, help="default 4; quick 2")
+    p.add_argument("--rounds", type=int, default=None, help="default 5; quick 2")
+    p.add_argument("--min-measure", type=float, default=0.02,
+                   help="seconds one measurement should last at least (sets n_inner)")
+    p.add_argument("--quick", action="store_true",
+                   help="one tiny cell per model (d 128, 2 layers, 2x32, rank 8), 2 rounds")
+    p.add_argument("--out", default=None, help="output directory (default benchmarks/results)")
+    p.add_argument("--stats-only", action="store_true",
+                   help="compile each step and write its HLO statistics (blocks_stats.*); no timing")
+    a = p.parse_args(argv)
+    base = QUICK if a.quick else DEFAULT
+    a.models = [m for m in a.models.split(",") if m]
+    for m in a.models:
+        if m not in MODELS:
+            p.error(f"unknown model {m!r}")
+    a.dims = _ints(a.dims) if a.dims else base["dims"]
+    a.ranks = _ints(a.ranks) if a.ranks else base["ranks"]
+    a.shapes = _shapes(a.shapes) if a.shapes else base["shapes"]
+    a.layers = a.layers or base["layers"]
+    a.rounds = a.rounds or base["rounds"]
+    for d in a.dims:
+        if d % HEAD_DIM:
+            p.error(f"d must be a multiple of {HEAD_DIM}, got {d}")
+    return a
+
+
+def _specs(a: argparse.Namespace) -> list[tuple[str, int, int, int, int]]:
+    return [(m, d, r, b, t) for m in a.models for d in a.dims for (b, t) in a.shapes
+            for r in a.ranks]
+
+
+def _build_cells(a: argparse.Namespace, builder: Builder, log: str) -> list[Cell]:
+    """Every cell's runners, each implementation compiled once per cell (full FT and the
+    floor once per model, d and shape)."""
+    compiled: dict[tuple, Runner] = {}
+    cells = []
+    t0 = time.perf_counter()
+    for m, d, r, b, t in _specs(a):
+        runners = {}
+        for impl in impls_for(m):
+            key = (impl, m, d, b, t) + (() if impl in ("full_ft", "floor") else (r,))
+            if key not in compiled:
+                step = builder.build(impl, m, d, r, b, t)
+                c = step.compile()
+                compiled[key] = Runner(impl, c, step.holder, step.const, hlo_stats(c))
+            runners[impl] = compiled[key]
+        cells.append(Cell(m, d, r, b, t, runners))
+        print(f"[{log}] compiled {m} {cells[-1].label} ({time.perf_counter() - t0:.0f}s)", flush=True)
+    return cells
+
+
+def _stat_row(c: Cell, impl: str) -> dict[str, Any]:
+    s = c.runners[impl].stats
+    return dict(model=c.model, d=c.d, rank=c.rank, batch=c.batch, seq=c.seq, layers=None,
+                impl=impl, gflops=s["flops"] / 1e9, gb_accessed=s["bytes_accessed"] / 1e9,
+                transposes=s["transposes"], copies=s["copies"], dots=s["dots"])
+
+
+def _stats_table(rows: list[dict[str, Any]]) -> str:
+    return C.md_table(
+        ["model", "cell", "impl", "GFLOP", "GB accessed", "transposes", "copies", "dots"],
+        [(r["model"], f"d{r['d']} r{r['rank']} {r['batch']}x{r['seq']}", f"`{r['impl']}`",
+          f"{r['gflops']:.3f}", f"{r['gb_accessed']:.4f}", r["transposes"], r["copies"], r["dots"])
+         for r in rows])
+
+
+def _stats_only(a: argparse.Namespace, out: Path) -> Path:
+    t0 = time.perf_counter()
+    cells = _build_cells(a, Builder(a.layers), "blocks --stats-only")
+    rows = []
+    for c in cells:
+        for impl in c.runners:
+            rows.append({**_stat_row(c, impl), "layers": a.layers})
+    C.write_csv(out / "blocks_stats.csv", rows)
+    table = _stats_table(rows)
+    md = ["# Transformer blocks: compiled-HLO statistics (no timing)", "", C.machine_md(), "",
+          f"{a.layers} layers. Per training step, from the compiled executable: XLA "
+          "`cost_analysis()` flops and bytes accessed; `transpose(`, `copy(` and `dot(` "
+          "instructions anywhere in `compiled.as_text()` (fused computations included).", "",
+          TARGETS_MD, "", table]
+    (out / "blocks_stats.md").write_text("\n".join(md) + "\n")
+    print(table)
+    print(f"[blocks --stats-only] wrote {out / 'blocks_stats.md'} ({time.perf_counter() - t0:.0f}s)",
+          flush=True)
+    return out
+
+
+def main(argv: list[str] | None = None) -> Path:
+    a = _parse(argv)
+    out = C.out_dir(a.out)
+    if not HAVE_QWIX and "nnx" in a.models:
+        print("[blocks] qwix not installed: the nnx model runs without the qwix implementation",
+              flush=True)
+    if a.stats_only:
+        return _stats_only(a, out)
+    t_start = time.perf_counter()
+    load_start = C.loadavg()
+    print(f"[blocks] load average at start: {load_start}", flush=True)
+
+    # 1. compile everything, check the first-step losses, time one warm call.
+    cells = _build_cells(a, Builder(a.layers), "blocks")
+    warmed: set[int] = set()
+    problems = []
+    for c in cells:
+        for impl, r in c.runners.items():
+            if impl in LORA_IMPLS:
+                r.holder.reset()  # every LoRA impl from the same factors in every cell
+            first = r.call()
+            jax.block_until_ready(first)
+            if impl != "floor":
+                c.first_loss[impl] = float(first[0])
+            if id(r) not in warmed:
+                warmed.add(id(r))
+                r.warm = r.measure(1)
+        lora = [n for n in c.runners if n in LORA_IMPLS]
+        ref = REF[c.model] if REF[c.model] in c.runners else "lorax"
+        for n in lora:
+            if not np.isclose(c.first_loss[n], c.first_loss[ref], rtol=1e-4, atol=1e-6):
+                problems.append(f"{c.model} {c.label}: {n} first loss {c.first_loss[n]!r} != "
+                                f"{ref} {c.first_loss[ref]!r}")
+        fastest = min(r.warm for r in c.runners.values())
+        c.n_inner = max(1, min(50, math.ceil(a.min_measure / max(fastest, 1e-6))))
+        c.times = {n: [] for n in c.runners}
+    for msg in problems:
+        print("[blocks] MISMATCH", msg, flush=True)
+    per_round = sum(r.warm * c.n_inner for c in cells for r in c.runners.values())
+    print(f"[blocks] compiled in {time.perf_counter() - t_start:.0f}s; ~{per_round:.1f}s per "
+          f"round, {a.rounds} rounds", flush=True)
+
+    # 2. interleaved rounds.
+    raw = []
+    for rnd in range(a.rounds):
+        gc.collect()
+        gc.disable()
+        try:
+            for ci, c in enumerate(cells):
+                names = list(c.runners)
+                shift = (rnd + ci) % len(names)
+                for n in names[shift:] + names[:shift]:
+                    t = c.runners[n].measure(c.n_inner)
+                    c.times[n].append(t)
+                    raw.append(dict(model=c.model, cell=c.label, round=rnd, impl=n, seconds=t))
+        finally:
+            gc.enable()
+        print(f"[blocks] round {rnd + 1}/{a.rounds} done ({time.perf_counter() - t_start:.0f}s)",
+              flush=True)
+    load_end = C.loadavg()
+    elapsed = time.perf_counter() - t_start
+
+    # 3. paired ratios, medians over rounds.
+    rows = []
+    for c in cells:
+        ref = REF[c.model]
+        for n in c.runners:
+            ts = c.times[n]
+            pair = lambda other: [t / o for t, o in zip(ts, c.times[other])]  # noqa: E731
+            r_floor, r_ft = pair("floor"), pair("full_ft")
+            r_ref = pair(ref) if ref in c.runners else [float("nan")] * len(ts)
+            rows.append({
+                **_stat_row(c, n), "layers": a.layers, "ref": ref, "rounds": len(ts),
+                "n_inner": c.n_inner,
+                "median_ms": 1e3 * C.median(ts), "p25_ms": 1e3 * C.quantile(ts, 0.25),
+                "p75_ms": 1e3 * C.quantile(ts, 0.75),
+                "ratio_floor": C.median(r_floor), "ratio_floor_p25": C.quantile(r_floor, 0.25),
+                "ratio_floor_p75": C.quantile(r_floor, 0.75),
+                "ratio_ft": C.median(r_ft), "ratio_ft_p25": C.quantile(r_ft, 0.25),
+                "ratio_ft_p75": C.quantile(r_ft, 0.75),
+                "ratio_ref": C.median(r_ref), "ratio_ref_p25": C.quantile(r_ref, 0.25),
+                "ratio_ref_p75": C.quantile(r_ref, 0.75),
+                "first_loss": c.first_loss.get(n, ""),
+            })
+    C.write_csv(out / "blocks.csv", rows)
+    C.write_csv(out / "blocks_rounds.csv", raw)
+    (out / "blocks.md").write_text(_markdown(a, cells, rows, problems, load_start, load_end,
+                                             elapsed))
+    _plot(out / "blocks.png", cells, rows)
+    print(f"[blocks] wrote {out / 'blocks.md'} ({elapsed:.0f}s)", flush=True)
+    return out
+
+
+def _markdown(a, cells, rows, problems, load_start, load_end, elapsed) -> str:
+    by = {(r["model"], r["d"], r["rank"], r["batch"], r["seq"], r["impl"]): r for r in rows}
+    get = lambda c, n: by[(c.model, c.d, c.rank, c.batch, c.seq, n)]  # noqa: E731
+    md = ["# Training-step speed on transformer blocks", ""]
+    md.append(C.machine_md({
+        "load average (1/5/15 min) at start": load_start,
+        "load average at end": load_end,
+        "run": f"{'--quick, ' if a.quick else ''}{len(cells)} cells, {a.layers} layers, "
+               f"{a.rounds} rounds, {elapsed:.0f} s",
+    }))
+    md += ["", TARGETS_MD, "",
+           "Method: every step jitted (training state donated, frozen weights and the batch "
+           "as plain arguments) and compiled once per cell; interleaved rounds in one process "
+           "(each round runs every implementation once per cell, rotating order; one "
+           "measurement = `n_inner` back-to-back steps, `block_until_ready` at the end); "
+           "ratios paired within a round, medians over rounds. Loss = mean square of the "
+           "output; `optax.adam(1e-3)`; LoRA on q, k, v, o, up, down, rank r, alpha 2r. "
+           "The reference hand-written LoRA (`/ ref`) is `hand_einsum` for the `einsum` and "
+           "`2d` models and `qwix` for `nnx`.", "",
+           "Models: `einsum` (wq/wk/wv `(d, h, 64)`, wo `(h, 64, d)` through multi-axis "
+           "einsums), `2d` (the same decoder with `(d, d)` kernels and reshapes), `nnx` (Flax "
+           "NNX `MultiHeadAttention` + `Linear` + `RMSNorm`, through `nnx.split`/`nnx.merge`).",
+           "", "Implementations:", ""]
+    md += [f"- `{n}`: {DESCRIPTIONS[n]}" for n in DESCRIPTIONS] + [""]
+    if not HAVE_QWIX and "nnx" in a.models:
+        md += ["**qwix is not installed**: the `nnx` model runs without `qwix` (no reference "
+               "hand-written LoRA there; `pip install qwix`).", ""]
+    if problems:
+        md += ["**First-step loss mismatches (MISMATCH):**", ""] + [f"- {p}" for p in problems] + [""]
+
+    # targets
+    md += ["## Targets", ""]
+    lor = [(c, get(c, "lorax")) for c in cells if "lorax" in c.runners]
+    if lor:
+        bad = [(c, r) for c, r in lor if r["ratio_floor"] > 1.25]
+        worst = max(lor, key=lambda cr: cr[1]["ratio_floor"])
+        md.append(f"- lorax / floor <= 1.25 in every cell: **{'holds' if not bad else 'misses'}** "
+                  f"({len(lor) - len(bad)}/{len(lor)} cells; max {worst[1]['ratio_floor']:.3f}, "
+                  f"{worst[0].model} {worst[0].label})"
+                  + ("" if not bad else "; misses: " + ", ".join(
+                      f"{c.model} {c.label} {r['ratio_floor']:.3f}" for c, r in bad)))
+        key = [(c, r) for c, r in lor if (c.model, c.d, c.rank, c.batch, c.seq)
+               == ("einsum", 512, 8, 8, 128)]
+        if key:
+            v = key[0][1]["ratio_ref"]
+            md.append(f"- lorax / hand_einsum <= 0.7 on einsum d512 r8 8x128: "
+                      f"**{'holds' if v <= 0.7 else 'misses'}** ({v:.3f} "
+                      f"[p25 {key[0][1]['ratio_ref_p25']:.3f}, p75 {key[0][1]['ratio_ref_p75']:.3f}])")
+        else:
+            md.append("- lorax / hand_einsum <= 0.7 on einsum d512 r8 8x128: not in this run")
+        ft = [r["ratio_ft"] for _, r in lor]
+        ok = sum(v <= 0.65 for v in ft)
+        md.append(f"- lorax / full FT <= 0.65: {ok}/{len(lor)} cells (median {C.median(ft):.3f}, "
+                  f"max {max(ft):.3f})")
+
+    # summary per model
+    md += ["", "## Summary", "",
+           "Per model and implementation, over cells: median of the per-cell ratios (each a "
+           "median of paired ratios over rounds) to the floor, to full FT and to the reference "
+           "hand-written LoRA; worst cell = largest ratio to the floor.", ""]
+    srows = []
+    for m in (m for m in MODELS if any(c.model == m for c in cells)):
+        mc = [c for c in cells if c.model == m]
+        for n in impls_for(m):
+            rs = [(c, get(c, n)) for c in mc]
+            worst = max(rs, key=lambda cr: cr[1]["ratio_floor"])
+            srows.append((m, f"`{n}`", f"{C.median(r['ratio_floor'] for _, r in rs):.3f}",
+                          f"{C.median(r['ratio_ft'] for _, r in rs):.3f}",
+                          f"{C.median(r['ratio_ref'] for _, r in rs):.3f} (`{REF[m]}`)",
+                          f"{worst[1]['ratio_floor']:.3f} ({worst[0].label})"))
+    md.append(C.md_table(["model", "impl", "/ floor", "/ full FT", "/ ref", "worst / floor (cell)"],
+                         srows))
+
+    # per-cell timing
+    md += ["", "## Per cell", "",
+           "Median ms per step; ratios are medians of paired per-round ratios, [p25, p75] for "
+           "the ratio to the floor.", ""]
+    trows = []
+    for c in cells:
+        for n in c.runners:
+            r = get(c, n)
+            trows.append((c.model, c.label, f"`{n}`", f"{r['median_ms']:.2f}",
+                          f"{r['ratio_floor']:.3f} [{r['ratio_floor_p25']:.2f}, {r['ratio_floor_p75']:.2f}]",
+                          f"{r['ratio_ft']:.3f}", f"{r['ratio_ref']:.3f}", c.n_inner))
+    md.append(C.md_table(["model", "cell", "impl", "ms", "/ floor", "/ full FT", "/ ref", "n_inner"],
+                         trows))
+
+    # HLO statistics
+    md += ["", "## Compiled HLO", "",
+           "Per step, from the compiled executable (deterministic): XLA `cost_analysis()` flops "
+           "and bytes accessed, and the `transpose(` / `copy(` / `dot(` instructions anywhere in "
+           "`compiled.as_text()` (fused computations included).", ""]
+    md.append(_stats_table([get(c, n) for c in cells for n in c.runners]))
+    return "\n".join(md) + "\n"
+
+
+def _plot(path: Path, cells, rows) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        import matplotlib.ticker
+    except ImportError:
+        print("[blocks] matplotlib not installed: no PNG (pip install matplotlib)", flush=True)
+        return
+    by = {(r["model"], r["d"], r["rank"], r["batch"], r["seq"], r["impl"]): r for r in rows}
+    models = [m for m in MODELS if any(c.model == m for c in cells)]
+    widths = [sum(c.model == m for c in cells) for m in models]
+    fig, axes = plt.subplots(1, len(models), figsize=(max(8, 0.5 * sum(widths) + 4), 5.5),
+                             gridspec_kw=dict(width_ratios=widths), squeeze=False)
+    markers = dict(lorax="^", hand_einsum="o", hand_2d="s", qwix="x", full_ft="d")
+    for ax, m in zip(axes[0], models):
+        mc = [c for c in cells if c.model == m]
+        xs = range(len(mc))
+        for n in (n for n in ("lorax", "hand_einsum", "hand_2d", "qwix", "full_ft") if n in impls_for(m)):
+            ys = [by[(c.model, c.d, c.rank, c.batch, c.seq, n)]["ratio_floor"] for c in mc]
+            ax.plot(xs, ys, marker=markers[n], linestyle="-" if n != "full_ft" else ":",
+                    linewidth=0.8, label=n, **({"color": "0.5"} if n == "full_ft" else {}))
+        ax.axhline(1.0, color="k", linewidth=0.8, linestyle="--")
+        ax.axhline(1.25, color="r", linewidth=0.8, linestyle=":", label="target 1.25")
+        ax.set_yscale("log")
+        ax.yaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
+        ax.yaxis.set_minor_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
+        ax.tick_params(axis="y", which="minor", labelsize=7)
+        ax.set_xticks(list(xs))
+        ax.set_xticklabels([c.label for c in mc], rotation=70, fontsize=7)
+        ax.set_title(f"model {m}")
+        ax.set_ylabel("step time / floor (median of paired ratios)")
+        ax.grid(True, which="both", axis="y", alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(f"Transformer-block training step relative to the floor ({C.cpu_model()}, "
+                 f"jax {jax.__version__})", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()
