@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import csv
+import gc
 import os
+import time
 import platform
 import statistics
 from collections.abc import Iterable, Sequence
@@ -126,3 +128,58 @@ def hlo_signature(hlo_text: str) -> "collections.Counter[str]":
     for m in re.finditer(r"= (\S+) dot\([^)]*\)(, [^\n]*?_dims=\{[^}]*\}(?:, [^\n]*?_dims=\{[^}]*\})*)", hlo_text):
         sig[f"dot {m.group(1)}{m.group(2)}"] += 1
     return sig
+
+
+class Timed:
+    """Mixin for a runner with a `call()` that runs one step: `measure(n)` is the mean
+    time of `n` back-to-back calls, waiting for the last result."""
+
+    def call(self) -> Any:
+        raise NotImplementedError
+
+    def measure(self, n: int) -> float:
+        t0 = time.perf_counter()
+        for _ in range(n):
+            out = self.call()
+        jax.block_until_ready(out)
+        return (time.perf_counter() - t0) / n
+
+
+def interleaved_rounds(cells: Sequence[Any], rounds: int, tag: str, cell_fields: Any,
+                       t_start: float) -> list[dict[str, Any]]:
+    """Measure every cell's runners `rounds` times, interleaved: each round runs every
+    runner of every cell once (`runner.measure(cell.n_inner)`, appended to
+    `cell.times[name]`), starting one implementation later each round and each cell,
+    with the garbage collector off. Returns the raw rows, `cell_fields(cell)` plus
+    round, impl and seconds."""
+    raw = []
+    for rnd in range(rounds):
+        gc.collect()
+        gc.disable()
+        try:
+            for ci, c in enumerate(cells):
+                names = list(c.runners)
+                shift = (rnd + ci) % len(names)
+                for n in names[shift:] + names[:shift]:
+                    t = c.runners[n].measure(c.n_inner)
+                    c.times[n].append(t)
+                    raw.append(dict(**cell_fields(c), round=rnd, impl=n, seconds=t))
+        finally:
+            gc.enable()
+        print(f"[{tag}] round {rnd + 1}/{rounds} done ({time.perf_counter() - t_start:.0f}s)",
+              flush=True)
+    return raw
+
+
+def pyplot(tag: str) -> Any:
+    """`matplotlib.pyplot` on the Agg backend (with `matplotlib.ticker` loaded), or `None`
+    with a note when matplotlib is not installed (the bench group has it)."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        import matplotlib.ticker  # noqa: F401  (plt.matplotlib.ticker below)
+    except ImportError:
+        print(f"[{tag}] matplotlib not installed: no PNG (pip install matplotlib)", flush=True)
+        return None
+    return plt

@@ -70,7 +70,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import gc
 import importlib.util
 import math
 import re
@@ -517,7 +516,7 @@ def block_stats(model_name: str, d: int, rank: int, batch: int, seq: int, impl: 
 
 
 @dataclasses.dataclass
-class Runner:
+class Runner(C.Timed):
     impl: str
     compiled: Any
     holder: Holder
@@ -530,13 +529,6 @@ class Runner:
         if self.holder.state:
             self.holder.state = tuple(out[1:])
         return out
-
-    def measure(self, n: int) -> float:
-        t0 = time.perf_counter()
-        for _ in range(n):
-            out = self.call()
-        jax.block_until_ready(out)
-        return (time.perf_counter() - t0) / n
 
 
 @dataclasses.dataclass
@@ -706,22 +698,8 @@ def main(argv: list[str] | None = None) -> Path:
           f"round, {a.rounds} rounds", flush=True)
 
     # 2. interleaved rounds.
-    raw = []
-    for rnd in range(a.rounds):
-        gc.collect()
-        gc.disable()
-        try:
-            for ci, c in enumerate(cells):
-                names = list(c.runners)
-                shift = (rnd + ci) % len(names)
-                for n in names[shift:] + names[:shift]:
-                    t = c.runners[n].measure(c.n_inner)
-                    c.times[n].append(t)
-                    raw.append(dict(model=c.model, cell=c.label, round=rnd, impl=n, seconds=t))
-        finally:
-            gc.enable()
-        print(f"[blocks] round {rnd + 1}/{a.rounds} done ({time.perf_counter() - t_start:.0f}s)",
-              flush=True)
+    raw = C.interleaved_rounds(cells, a.rounds, "blocks",
+                               lambda c: dict(model=c.model, cell=c.label), t_start)
     load_end = C.loadavg()
     elapsed = time.perf_counter() - t_start
 
@@ -853,13 +831,8 @@ def _markdown(a, cells, rows, problems, load_start, load_end, elapsed) -> str:
 
 
 def _plot(path: Path, cells, rows) -> None:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        import matplotlib.ticker
-    except ImportError:
-        print("[blocks] matplotlib not installed: no PNG (pip install matplotlib)", flush=True)
+    plt = C.pyplot("blocks")
+    if plt is None:
         return
     by = {(r["model"], r["d"], r["rank"], r["batch"], r["seq"], r["impl"]): r for r in rows}
     models = [m for m in MODELS if any(c.model == m for c in cells)]
@@ -877,8 +850,8 @@ def _plot(path: Path, cells, rows) -> None:
         ax.axhline(1.0, color="k", linewidth=0.8, linestyle="--")
         ax.axhline(1.25, color="r", linewidth=0.8, linestyle=":", label="target 1.25")
         ax.set_yscale("log")
-        ax.yaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
-        ax.yaxis.set_minor_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
+        ax.yaxis.set_major_formatter(plt.matplotlib.ticker.FormatStrFormatter("%g"))
+        ax.yaxis.set_minor_formatter(plt.matplotlib.ticker.FormatStrFormatter("%g"))
         ax.tick_params(axis="y", which="minor", labelsize=7)
         ax.set_xticks(list(xs))
         ax.set_xticklabels([c.label for c in mc], rotation=70, fontsize=7)

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import gc
 import math
 import sys
 import time
@@ -55,7 +54,7 @@ QUICK_ATTN_GRID = dict(shape=((2, 16, 64),), rank=(4,))
 
 
 @dataclasses.dataclass
-class Runner:
+class Runner(C.Timed):
     """One implementation's jitted step plus the state it threads."""
 
     built: I.Built
@@ -73,13 +72,6 @@ class Runner:
         if self.state:
             self.state = tuple(out[1:])
         return out
-
-    def measure(self, n: int) -> float:
-        t0 = time.perf_counter()
-        for _ in range(n):
-            out = self.call()
-        jax.block_until_ready(out)
-        return (time.perf_counter() - t0) / n
 
 
 @dataclasses.dataclass
@@ -255,21 +247,8 @@ def main(argv: list[str] | None = None) -> Path:
 
     # 2. interleaved rounds.
     names = list(cells[0].runners)
-    raw = []
-    for rnd in range(rounds):
-        gc.collect()
-        gc.disable()
-        try:
-            for ci, c in enumerate(cells):
-                shift = (rnd + ci) % len(names)
-                for n in names[shift:] + names[:shift]:
-                    t = c.runners[n].measure(c.n_inner)
-                    c.times[n].append(t)
-                    raw.append(dict(grid=c.grid, cell=c.label, round=rnd, impl=n, seconds=t))
-        finally:
-            gc.enable()
-        print(f"[speed] round {rnd + 1}/{rounds} done ({time.perf_counter() - t_start:.0f}s)",
-              flush=True)
+    raw = C.interleaved_rounds(cells, rounds, "speed", lambda c: dict(grid=c.grid, cell=c.label),
+                               t_start)
     load_end = C.loadavg()
     elapsed = time.perf_counter() - t_start
 
@@ -426,13 +405,8 @@ def _markdown(a, cells, rows, names, rounds, problems, load_start, load_end, ela
 
 
 def _plot(path: Path, cells, rows, names) -> None:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        import matplotlib.ticker
-    except ImportError:
-        print("[speed] matplotlib not installed: no PNG (pip install matplotlib)", flush=True)
+    plt = C.pyplot("speed")
+    if plt is None:
         return
     by = {(r["grid"], r["batch"], r["seq"], r["dim"], r["rank"], r["impl"]): r for r in rows}
     grids = [g for g in ("mlp", "attn") if any(c.grid == g for c in cells)]
@@ -451,8 +425,8 @@ def _plot(path: Path, cells, rows, names) -> None:
             ax.plot(xs, ys, marker=markers.get(n, "."), linestyle="-", linewidth=0.8, label=n)
         ax.axhline(1.0, color="k", linewidth=0.8, linestyle="--")
         ax.set_yscale("log")
-        ax.yaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
-        ax.yaxis.set_minor_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
+        ax.yaxis.set_major_formatter(plt.matplotlib.ticker.FormatStrFormatter("%g"))
+        ax.yaxis.set_minor_formatter(plt.matplotlib.ticker.FormatStrFormatter("%g"))
         ax.tick_params(axis="y", which="minor", labelsize=7)
         ax.set_xticks(list(xs))
         ax.set_xticklabels([c.label for c in gc_], rotation=70, fontsize=7)
