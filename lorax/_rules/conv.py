@@ -18,7 +18,7 @@ from jax.typing import ArrayLike
 
 from .. import _engine
 from .._weight import LoraWeight
-from ._contract import scale
+from .dot import scale
 
 
 @_engine.register(lax.conv_general_dilated_p)

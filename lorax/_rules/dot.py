@@ -14,7 +14,7 @@ from jax.typing import ArrayLike
 
 from .. import _engine
 from .._weight import LoraWeight
-from ._contract import Labels, arrange, contract, dot_labels, lowrank_matmuls, scale
+from ._contract import Labels, arrange, contract, dot_labels
 
 
 def factor_labels(
@@ -80,15 +80,10 @@ def _contract_impl(w, b, a, x, *, structure, factor_scale, lwl, xl, out, bl, al,
 
     base, base_l = dot(w, lwl, x, xl, out, **dot_params)
     low_params = {k: v for k, v in dot_params.items() if k != "out_sharding"}
-    k = next(l for l in f1l if l in f2l and l not in lwl)
-    y = lowrank_matmuls(x, xl, f1, f1l, f2, f2l, k, out, not lora_first, factor_scale,
-                        **low_params)
-    if y is None:  # x's layout allows no free reshape: contract by labels
-        t, tl = dot(f1, f1l, x, xl, {*out, *f2l}, **low_params)
-        t = scale(t, factor_scale)
-        y, yl = dot(f2, f2l, t, tl, out, **low_params)
-        y = arrange(y, yl, out)
-    return arrange(base, base_l, out) + y
+    t, tl = dot(f1, f1l, x, xl, {*out, *f2l}, **low_params)
+    t = scale(t, factor_scale)
+    y, yl = dot(f2, f2l, t, tl, out, **low_params)
+    return arrange(base, base_l, out) + arrange(y, yl, out)
 
 
 # Traced once per distinct (shapes, labels, parameters), like a `jnp` function: a model
@@ -100,6 +95,11 @@ _contract_jit = jax.jit(
     static_argnames=("structure", "factor_scale", "lwl", "xl", "out", "bl", "al", "lora_first",
                      "dot_params"),
 )
+
+
+def scale(x: Array, s: float) -> Array:
+    """`s * x` on the rank-`k` intermediate, the cheapest place for it."""
+    return x if s == 1.0 else x * jnp.asarray(s, x.dtype)
 
 
 def _dot_params(precision: Any, preferred_element_type: Any, params: dict) -> dict:

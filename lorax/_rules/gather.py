@@ -24,7 +24,8 @@ from jax.typing import ArrayLike
 
 from .. import _engine
 from .._weight import LoraWeight
-from ._contract import arrange, contract, scale
+from .dot import scale
+from ._contract import arrange, contract
 
 
 def _touched(dn: lax.GatherDimensionNumbers, slice_sizes: Sequence[int], shape: Sequence[int]) -> set[int]:

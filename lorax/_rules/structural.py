@@ -18,7 +18,7 @@ from jax.extend.core import primitives as _prims
 
 from .. import _engine
 from .._weight import LoraWeight
-from ._contract import scale
+from .dot import scale
 
 
 def _rebuild(lw: LoraWeight, w: Any, a: Any, b: Any) -> LoraWeight:
