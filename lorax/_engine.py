@@ -145,8 +145,8 @@ class FastPytreeMeta(type(quax.ArrayValue)):  # type: ignore[misc]
     registers a Module with generated flatten functions and a tuple of static
     fields as aux data, which JAX's C++ dispatch compares in Python for every node:
     ~2x the per-call cost of the same leaves in dicts. Classes made by this
-    metaclass skip equinox's registration and get a minimal one (an `attrgetter`
-    flatten, the static fields' values as aux data, and an unflatten that sets the
+    metaclass skip equinox's registration and get a minimal one (an `itemgetter`
+    flatten of the instance dict, the static fields' values as aux data, and an unflatten that sets the
     fields without running `__init__`, as equinox's does: JAX unflattens with
     `None`, labels and per-leaf statistics, which no constructor check could allow).
     `fast_pytree(cls)` says whether the fast registration took.
