@@ -58,7 +58,8 @@ every fused / called computation) the number of instructions matching
 `= \\S+ copy\\(`: each `transpose` / `copy` instruction once, wherever it sits, so a
 transpose fused into a loop fusion counts as well as a materialised one; not counted:
 `copy-start`/`copy-done`, `bitcast`s, layout changes folded into a `dot`, and the
-`transpose(` in metadata op names), plus the `dot(` instructions.
+`transpose(` in metadata op names), the bytes those instructions write ("MiB moved by
+them": data moved only to change its layout), plus the `dot(` instructions.
 `block_stats(...)` returns those numbers for one step without running it.
 
     python -m benchmarks.blocks                # default grid (3 models x 3 dims x 2 ranks x 2 shapes)
@@ -486,6 +487,17 @@ class Builder:
 _TRANSPOSE = re.compile(r"= \S+ transpose\(")
 _COPY = re.compile(r"= \S+ copy\(")
 _DOT = re.compile(r"= \S+ dot\(")
+_LAYOUT_OP = re.compile(r"= (\w+)\[([\d,]*)\]\S* (?:transpose|copy)\(")
+_ITEMSIZE = {"f64": 8, "s64": 8, "u64": 8, "f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2,
+             "s16": 2, "u16": 2, "s8": 1, "u8": 1, "pred": 1}
+
+
+def _layout_bytes(text: str) -> int:
+    """Bytes written by `transpose(` and `copy(` instructions: data moved only to change
+    its layout (a transpose fused into a copy counts twice, the same in every step)."""
+    return sum(
+        math.prod(int(v) for v in dims.split(",") if v) * _ITEMSIZE.get(dtype, 4)
+        for dtype, dims in _LAYOUT_OP.findall(text))
 
 
 def hlo_stats(compiled: Any) -> dict[str, float]:
@@ -501,13 +513,14 @@ def hlo_stats(compiled: Any) -> dict[str, float]:
         "transposes": len(_TRANSPOSE.findall(text)),
         "copies": len(_COPY.findall(text)),
         "dots": len(_DOT.findall(text)),
+        "layout_bytes": float(_layout_bytes(text)),
     }
 
 
 def block_stats(model_name: str, d: int, rank: int, batch: int, seq: int, impl: str,
                 layers: int = 4) -> dict[str, float]:
     """Compile one training step (nothing runs) and return its HLO statistics:
-    `{"flops", "bytes_accessed", "transposes", "copies", "dots"}`."""
+    `{"flops", "bytes_accessed", "transposes", "copies", "dots", "layout_bytes"}`."""
     step = Builder(layers).build(impl, model_name, d, rank, batch, seq)
     return hlo_stats(step.compile())
 
@@ -623,14 +636,17 @@ def _stat_row(c: Cell, impl: str) -> dict[str, Any]:
     s = c.runners[impl].stats
     return dict(model=c.model, d=c.d, rank=c.rank, batch=c.batch, seq=c.seq, layers=None,
                 impl=impl, gflops=s["flops"] / 1e9, gb_accessed=s["bytes_accessed"] / 1e9,
-                transposes=s["transposes"], copies=s["copies"], dots=s["dots"])
+                transposes=s["transposes"], copies=s["copies"], dots=s["dots"],
+                layout_mb=s["layout_bytes"] / 2**20)
 
 
 def _stats_table(rows: list[dict[str, Any]]) -> str:
     return C.md_table(
-        ["model", "cell", "impl", "GFLOP", "GB accessed", "transposes", "copies", "dots"],
+        ["model", "cell", "impl", "GFLOP", "GB accessed", "transposes", "copies",
+         "MiB moved by them", "dots"],
         [(r["model"], f"d{r['d']} r{r['rank']} {r['batch']}x{r['seq']}", f"`{r['impl']}`",
-          f"{r['gflops']:.3f}", f"{r['gb_accessed']:.4f}", r["transposes"], r["copies"], r["dots"])
+          f"{r['gflops']:.3f}", f"{r['gb_accessed']:.4f}", r["transposes"], r["copies"],
+          f"{r['layout_mb']:.1f}", r["dots"])
          for r in rows])
 
 
@@ -824,8 +840,9 @@ def _markdown(a, cells, rows, problems, load_start, load_end, elapsed) -> str:
     # HLO statistics
     md += ["", "## Compiled HLO", "",
            "Per step, from the compiled executable (deterministic): XLA `cost_analysis()` flops "
-           "and bytes accessed, and the `transpose(` / `copy(` / `dot(` instructions anywhere in "
-           "`compiled.as_text()` (fused computations included).", ""]
+           "and bytes accessed, the `transpose(` / `copy(` / `dot(` instructions anywhere in "
+           "`compiled.as_text()` (fused computations included), and the MiB the transposes and "
+           "copies write.", ""]
     md.append(_stats_table([get(c, n) for c in cells for n in c.runners]))
     return "\n".join(md) + "\n"
 

@@ -14,7 +14,11 @@ checks cannot pass vacuously.
 
 from __future__ import annotations
 
+import dataclasses
+import re
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import jax
 import jax.extend.core as jex
@@ -393,3 +397,81 @@ def test_negative_control_stop_gradient_weight_is_copied(monkeypatch):
     assert {p.shape for p in params.values()} <= set(stacked)
     assert temp >= fixed_temp + sum(p.nbytes for p in params.values())
 
+
+
+# -- compiled layout on a multi-axis (einsum) decoder ------------------------------------------
+#
+# XLA:CPU rewrites a dot whose operands are not [batch..., free, contracting] into one behind
+# transposes, which become copies of activations (docs/how-it-works.md). On an
+# einsum-attention decoder the low-rank path is emitted so that its dots, forward and
+# backward, need no such copy: the LoRA step moves no more data through transposes and
+# copies than the frozen model's own forward + backward, beyond rank-k arrays.
+
+
+def _decoder_stats(impl):
+    root = str(Path(__file__).resolve().parent.parent)
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    from benchmarks.blocks import block_stats
+
+    # 2 layers, d 256 (4 heads of 64), 4x64 tokens, rank 8 on q, k, v, o, up, down.
+    return block_stats("einsum", 256, 8, 4, 64, impl, layers=2)
+
+
+N_ADAPTED, D_FF, RANK, ROWS = 2 * 6, 4 * 256, 8, 4 * 64
+
+
+def _within_budget(stats, floor):
+    # Per adapted weight, four rank-k arrays' worth (a factor or a (rows, k) intermediate,
+    # forward and backward) of layout changes over the frozen step; memory traffic at most
+    # 1.45x the frozen step's (the low-rank path's own reads and writes: docs/benchmarks.md).
+    rank_k_bytes = 4 * RANK * max(D_FF, ROWS)
+    extra_layout = stats["layout_bytes"] - floor["layout_bytes"]
+    return (extra_layout <= N_ADAPTED * 4 * rank_k_bytes
+            and stats["bytes_accessed"] <= 1.45 * floor["bytes_accessed"])
+
+
+@pytest.fixture(scope="module")
+def decoder_floor():
+    return _decoder_stats("floor")
+
+
+def test_einsum_decoder_step_moves_no_activation_to_change_its_layout(decoder_floor):
+    stats = _decoder_stats("lorax")
+    assert _within_budget(stats, decoder_floor), (stats, decoder_floor)
+
+
+def test_einsum_decoder_budget_catches_the_einsum_formulation(decoder_floor):
+    """Negative control: LoRA written as einsums (lorax 0.4.0's emitted form, and what
+    hand-written LoRA usually is) copies activations around its dots."""
+    stats = _decoder_stats("hand_einsum")
+    assert not _within_budget(stats, decoder_floor), (stats, decoder_floor)
+
+
+# -- the input-side factor's cotangent, rank-major ---------------------------------------------
+
+
+def _factor_grad_dots(use_lorax):
+    """Output shapes of the compiled `dot`s of a LoRA layer's gradient w.r.t. `b` (M, k)."""
+    m, n, k, rows = 96, 80, 4, 64
+    keys = jax.random.split(jax.random.PRNGKey(0), 4)
+    lw = lorax.LoraWeight(w=jax.random.normal(keys[0], (m, n)), b=jax.random.normal(keys[1], (m, k)),
+                          a=jax.random.normal(keys[2], (k, n)), alpha=1.0)
+    x = jax.random.normal(keys[3], (rows, m))
+    if use_lorax:
+        f = lorax.lora(lambda w, x: x @ w)
+    else:  # hand-written
+        f = lambda w, x: x @ jax.lax.stop_gradient(w.w) + (x @ w.b) @ w.a  # noqa: E731
+    grad = jax.jit(jax.grad(lambda b: jnp.sum(jnp.tanh(f(dataclasses.replace(lw, b=b), x)))))
+    hlo = grad.lower(lw.b).compile().as_text()
+    return re.findall(r"= f32\[(\d+),(\d+)\]\S* dot\(", hlo), (m, k)
+
+
+def test_input_side_factor_cotangent_is_a_rank_major_dot():
+    """`dL/db = x^T dt` is computed as the (k, M) product `dt^T x` and transposed: XLA:CPU
+    runs the (M, k)-shaped dot with the activation as a transposed lhs ~7-10x slower."""
+    dots, (m, k) = _factor_grad_dots(use_lorax=True)
+    assert (str(k), str(m)) in dots and (str(m), str(k)) not in dots, dots
+    # Negative control: the hand-written step lets XLA fold the transpose into the dot.
+    dots, _ = _factor_grad_dots(use_lorax=False)
+    assert (str(m), str(k)) in dots, dots

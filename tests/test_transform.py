@@ -598,3 +598,48 @@ def test_dataclasses_replace(lw):
     assert_close(lw2.materialize(), lw.w + 1.5 * lw.b @ new_a)
     with pytest.raises(ValueError, match=r"\(2, 7\)"):
         dataclasses.replace(lw, a=jnp.zeros((2, 7)))
+
+
+# -- derivatives through the low-rank path's custom JVP ----------------------------------
+#
+# With several activation rows axes the output-side factor's contraction carries its own
+# JVP (its cotangent as a canonical matmul): forward mode, reverse mode, second order and
+# unperturbed factors must all agree with the materialised weight.
+
+
+@pytest.mark.parametrize("pattern, w_shape, b_shape, a_shape, x_shape", [
+    ("bsd,dhk->bshk", (6, 2, 3), (6, 2), (2, 2, 3), (2, 3, 6)),     # x @ W, rows (b, s)
+    ("hkd,bshk->bsd", (2, 3, 6), (2, 3, 2), (2, 6), (2, 3, 2, 3)),  # W first, heads contracted
+    ("od,bsd->bos", (5, 4), (5, 2), (2, 4), (2, 3, 4)),             # W @ x, rows (b, s)
+])
+def test_multi_row_contraction_derivatives(pattern, w_shape, b_shape, a_shape, x_shape):
+    w = make_lw(21, w_shape, b_shape, a_shape)
+    x = jnp.asarray(np.random.default_rng(3).standard_normal(x_shape), jnp.float32)
+    x_first = pattern.startswith("bsd")
+    f = lambda w, x: jnp.tanh(  # noqa: E731
+        jnp.einsum(pattern, x, w) if x_first else jnp.einsum(pattern, w, x))
+    check(f, w, x)
+    g = lorax.lora(f, on_materialize="error")
+    assert "custom_jvp_call" in str(jax.make_jaxpr(g)(w, x))  # the path under test is taken
+    ref = lambda w, x: f(w.materialize(), x)  # noqa: E731
+    rng = np.random.default_rng(4)
+    tangent = dataclasses.replace(
+        w, w=jnp.zeros_like(w.w), a=jnp.asarray(rng.standard_normal(w.a.shape), w.a.dtype),
+        b=jnp.asarray(rng.standard_normal(w.b.shape), w.b.dtype))
+    dx = jnp.asarray(rng.standard_normal(x_shape), jnp.float32)
+    # Forward mode, factors and input perturbed together, then each alone.
+    for t_w, t_x in ((tangent, dx), (tangent, jnp.zeros_like(dx)),
+                     (dataclasses.replace(tangent, a=jnp.zeros_like(w.a)), dx)):
+        _, got = jax.jvp(g, (w, x), (t_w, t_x))
+        _, want = jax.jvp(ref, (w, x), (t_w, t_x))
+        assert_close(got, want, rtol=1e-5)
+    # Second order: a Hessian-vector product w.r.t. the output-side factor.
+    def hvp(fn):
+        def loss_a(a):
+            return jnp.sum(fn(dataclasses.replace(w, a=a), x) ** 2)
+        return jax.jvp(jax.grad(loss_a), (w.a,), (tangent.a,))[1]
+    assert_close(hvp(g), hvp(ref), rtol=1e-4)
+    # Only the input-side factor trained (the output side's tangent is a symbolic zero).
+    got = jax.grad(lambda b: jnp.sum(g(dataclasses.replace(w, b=b), x) ** 2))(w.b)
+    want = jax.grad(lambda b: jnp.sum(ref(dataclasses.replace(w, b=b), x) ** 2))(w.b)
+    assert_close(got, want, rtol=1e-5)

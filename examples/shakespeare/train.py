@@ -54,11 +54,16 @@ def parse_args(argv):
     p.add_argument("--top-p", type=float, default=0.9,
                    help="nucleus sampling: draw from the most probable tokens up to "
                    "this cumulative probability (1 keeps them all)")
+    p.add_argument("--full-ft-steps", type=int, default=5,
+                   help="after training, time this many full fine-tuning steps, each paired "
+                        "with a LoRA step on the same batch (0: skip)")
     p.add_argument("--quick", action="store_true",
-                   help="smoke-test settings: 2 steps, seq 32, 2 eval windows, 5-token sample")
+                   help="smoke-test settings: 2 steps, seq 32, 2 eval windows, 5-token sample, "
+                        "1 paired full fine-tuning step")
     args = p.parse_args(argv)
     if args.quick:
         args.steps, args.batch, args.seq, args.eval_windows, args.sample_tokens = 2, 2, 32, 2, 5
+        args.full_ft_steps = min(args.full_ft_steps, 1)
     args.targets = tuple(t.strip() for t in args.targets.split(",") if t.strip())
     unknown = set(args.targets) - set(TARGETS)
     if unknown or not args.targets:
@@ -69,6 +74,36 @@ def parse_args(argv):
 
 
 # -- helpers -----------------------------------------------------------------------
+
+
+def compare_full_ft(n, lora_step, full_step, trainable, frozen, opt_state, optimizer, batches):
+    """Time `n` LoRA steps against `n` full fine-tuning steps, alternating, each pair on one
+    batch; the LoRA steps run on a copy of the trained factors, which they leave as they are.
+    Returns medians and the paired ratios, or None when `n` is 0."""
+    if n <= 0:
+        return None
+    # The tuned model as dense weights: what full fine-tuning would continue from. Copied:
+    # merge_params hands back the frozen arrays it has nothing to add to, and full_step
+    # donates its parameters.
+    dense = jax.tree.map(jnp.copy, lorax.merge_params(lorax.combine(trainable, frozen)))
+    full_state = optimizer.init(dense)
+    t_copy, o_copy = jax.tree.map(jnp.copy, (trainable, opt_state))
+    lora_s, full_s = [], []
+    for i in range(n + 1):  # the first pair warms both executables up
+        batch = next(batches)
+        t0 = time.perf_counter()
+        t_copy, o_copy, loss = lora_step(t_copy, frozen, o_copy, batch)
+        loss.block_until_ready()
+        t1 = time.perf_counter()
+        dense, full_state, loss = full_step(dense, full_state, batch)
+        loss.block_until_ready()
+        t2 = time.perf_counter()
+        if i:
+            lora_s.append(t1 - t0)
+            full_s.append(t2 - t1)
+    ratios = [lo / fu for lo, fu in zip(lora_s, full_s)]
+    return {"lora_s": float(np.median(lora_s)), "full_s": float(np.median(full_s)),
+            "ratio": float(np.median(ratios)), "ratios": ratios}
 
 def progress(iterable, total):
     try:
@@ -209,12 +244,12 @@ def main(argv=None):
     opt_state = optimizer.init(trainable)
     lora_step = lora_step.lower(trainable, frozen, opt_state, batch_shape).compile()
     phase("compile")
-    # Full fine-tuning, compiled only, for its memory estimate.
+    # Full fine-tuning of the same model: its memory estimate, and (after training) its
+    # step time on the same batches.
     full_step = full_step.lower(
         full_shapes, jax.eval_shape(optimizer.init, full_shapes), batch_shape).compile()
     mem_lora, mem_full = compiled_bytes(lora_step), compiled_bytes(full_step)
-    del full_step
-    phase("compile full FT (estimate only)")
+    phase("compile full FT")
 
     chunk = max(d for d in range(1, 9) if args.eval_windows % d == 0)
 
@@ -265,6 +300,11 @@ def main(argv=None):
     print(f"sample after:\n{PROMPT}{sample_after}\n")
     phase("sample")
 
+    step_ratio = compare_full_ft(args.full_ft_steps, lora_step, full_step, trainable, frozen,
+                                 opt_state, optimizer, batches)
+    del full_step
+    phase("compare full FT")
+
     adapter = out_dir / "adapter.safetensors"
     lorax.save_adapter(adapter, lorax.combine(trainable, frozen), spec, metadata={
         "base_model": gguf_loader.GGUF_NAME, "targets": ",".join(args.targets)})
@@ -275,6 +315,10 @@ def main(argv=None):
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
     step_time = float(np.median(step_times[1:] or step_times))
     print(f"step time {step_time:.2f} s (median), {args.batch}x{args.seq} tokens per step")
+    if step_ratio:
+        print(f"LoRA step vs full fine-tuning step, {len(step_ratio['ratios'])} paired steps on "
+              f"the same batches: {step_ratio['lora_s']:.2f} s vs {step_ratio['full_s']:.2f} s, "
+              f"{step_ratio['ratio']:.2f}x (median of the paired ratios)")
     print(f"peak RSS {mib(rss)}; XLA's estimate for one step, parameters + optimizer "
           f"state + temporaries: LoRA {mib(mem_lora[0])} + {mib(mem_lora[1])} = "
           f"{mib(sum(mem_lora))}, full fine-tuning {mib(mem_full[0])} + {mib(mem_full[1])} = "
@@ -289,6 +333,7 @@ def main(argv=None):
         "ppl_before": ppl_before, "ppl_after": ppl_after, "losses": losses,
         "trainable_params": n_train, "total_params": n_total, "step_time_s": step_time,
         "peak_rss_bytes": rss, "xla_bytes_lora": sum(mem_lora), "xla_bytes_full": sum(mem_full),
+        "full_ft_comparison": step_ratio,
         "times_s": times, "cpu_times_s": cpu_times,
         "sample_before": sample_before, "sample_after": sample_after,
         "adapter": str(adapter), "loss_curve": str(curve),

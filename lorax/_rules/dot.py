@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -14,7 +15,7 @@ from jax.typing import ArrayLike
 
 from .. import _engine
 from .._weight import LoraWeight
-from ._contract import Labels, arrange, contract, dot_labels
+from ._contract import Labels, arrange, contract, dot_labels, factor_contract, rank_major
 
 
 def factor_labels(
@@ -80,9 +81,12 @@ def _contract_impl(w, b, a, x, *, structure, factor_scale, lwl, xl, out, bl, al,
 
     base, base_l = dot(w, lwl, x, xl, out, **dot_params)
     low_params = {k: v for k, v in dot_params.items() if k != "out_sharding"}
+    rank_l = next(l for l in f1l if l in f2l and l not in lwl)
+    rows = math.prod(d for d, l in zip(x.shape, xl) if l not in f1l)
+    f1 = rank_major(f1, f1l, rank_l, lwl[:nb], rows)
     t, tl = dot(f1, f1l, x, xl, {*out, *f2l}, **low_params)
     t = scale(t, factor_scale)
-    y, yl = dot(f2, f2l, t, tl, out, **low_params)
+    y, yl = factor_contract(t, tl, f2, f2l, out, not lora_first, **low_params)
     return arrange(base, base_l, out) + arrange(y, yl, out)
 
 

@@ -25,7 +25,7 @@ from jax.typing import ArrayLike
 from .. import _engine
 from .._weight import LoraWeight
 from .dot import scale
-from ._contract import arrange, contract
+from ._contract import arrange, factor_contract
 
 
 def _touched(dn: lax.GatherDimensionNumbers, slice_sizes: Sequence[int], shape: Sequence[int]) -> set[int]:
@@ -173,7 +173,8 @@ def _lookup(lw: LoraWeight, indices: Any, dn: lax.GatherDimensionNumbers, slice_
     gf = scale(gf, lw.scale)
     gf_l = (*range(ndim, ndim + n_idx), *(label[d] for d in f_offsets))
     o_l = tuple(label[d] for d in o_axes)
-    low, low_l = contract(gf, gf_l, o.astype(w.dtype), o_l, out_l)
+    # As in the dot rule: the other factor's cotangent as a canonical matmul.
+    low, low_l = factor_contract(gf, gf_l, o.astype(w.dtype), o_l, out_l, True)
     return lax.gather_p.bind(
         w, indices, dimension_numbers=dn, slice_sizes=tuple(slice_sizes), **params
     ) + arrange(low, low_l, out_l)

@@ -39,6 +39,8 @@ def test_quick_run(train_module, tmp_path):
     assert len(res["losses"]) == 2 and all(math.isfinite(x) for x in res["losses"])
     assert 0 < res["trainable_params"] < 0.05 * res["total_params"]
     assert res["xla_bytes_lora"] < res["xla_bytes_full"]
+    cmp = res["full_ft_comparison"]  # --quick times one paired full fine-tuning step
+    assert len(cmp["ratios"]) == 1 and cmp["lora_s"] > 0 and cmp["full_s"] > 0
     assert isinstance(res["sample_after"], str)
 
     from safetensors import safe_open
