@@ -8,6 +8,7 @@ from ._engine import (
 from ._init import init_lora as init_lora
 from ._layout import infer_layout as infer_layout
 from ._optim import wrap_optimizer as wrap_optimizer
+from ._quant import QuantizedArray as QuantizedArray, quantize as quantize
 from ._params import (
     combine as combine,
     merge_params as merge_params,
@@ -34,6 +35,7 @@ __all__ = [
     "LoraMaterializationWarning",
     "LoraSpec",
     "LoraWeight",
+    "QuantizedArray",
     "SpecSummary",
     "combine",
     "infer_layout",
@@ -42,6 +44,7 @@ __all__ = [
     "lora",
     "merge_params",
     "partition",
+    "quantize",
     "save_adapter",
     "simple_spec",
     "split_lora_params",

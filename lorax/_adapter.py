@@ -16,6 +16,7 @@ import jax
 import ml_dtypes
 import numpy as np
 
+from . import _engine
 from ._spec import LORA_FREEZE, LORA_FULL, LoraSpec, check_spec_structure
 from ._sharding import factor_shardings, place_host_array
 from ._weight import LoraWeight, factor_structure
@@ -132,7 +133,7 @@ def save_adapter(path: str | os.PathLike, lora_params: Any, spec: Any,
     check_spec_structure(spec, lora_params, "save_adapter")
     tensors: dict[str, np.ndarray] = {}
     entries = []
-    flat, treedef = jax.tree_util.tree_flatten_with_path(lora_params, is_leaf=_is_lora)
+    flat, treedef = jax.tree_util.tree_flatten_with_path(lora_params, is_leaf=_engine.is_value)
     for (key_path, leaf), spec_val in zip(flat, treedef.flatten_up_to(spec)):
         key = jax.tree_util.keystr(key_path)
         if _is_lora(leaf):
@@ -183,7 +184,7 @@ def load_adapter(path: str | os.PathLike, base_params: Any) -> tuple[Any, Any]:
     if meta.get("format") != _FORMAT:
         raise ValueError(f"load_adapter: {os.fspath(path)!r} is not a lorax adapter file.")
     entries = json.loads(meta["entries"])
-    flat, treedef = jax.tree_util.tree_flatten_with_path(base_params, is_leaf=_is_lora)
+    flat, treedef = jax.tree_util.tree_flatten_with_path(base_params, is_leaf=_engine.is_value)
     index = {jax.tree_util.keystr(p): i for i, (p, _) in enumerate(flat)}
     leaves = [leaf for _, leaf in flat]
     spec = [LORA_FREEZE] * len(leaves)

@@ -109,6 +109,7 @@ __all__ = [
     "LoraMaterializationWarning",
     "SUPPORTED",
     "is_value",
+    "call",
     "materialize_fallback",
     "materialize_policy",
     "pvary_p",
@@ -231,6 +232,19 @@ def transform(fn: Callable[..., Any]) -> Callable[..., Any]:
 
     return call
 
+def call(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """`fn(*args, **kwargs)`, with the rules applying to any `Value` among the arguments.
+
+    Rules run on their parent trace, so a value nested in another (a `LoraWeight`
+    whose `w` is a `QuantizedArray`) reaches plain `lax` calls inside the outer
+    value's rule. Routing those calls through here dispatches the inner value to
+    its own rules; with plain arrays only, `fn` is called directly.
+    """
+    if any(is_value(a) for a in jax.tree_util.tree_leaves((args, kwargs), is_leaf=is_value)):
+        return transform(fn)(*args, **kwargs)
+    return fn(*args, **kwargs)
+
+
 MaterializePolicy = Literal["warn", "error", "allow"]
 _POLICIES = ("warn", "error", "allow")
 _policy: contextvars.ContextVar[MaterializePolicy] = contextvars.ContextVar(
@@ -278,11 +292,12 @@ def _report(name: str, values: Sequence[Any], why: str | None = None) -> None:
     )
     what = (f"`{name}` has no low-rank rule" if why is None
             else f"`{name}` cannot stay low-rank ({why})")
+    how = "; ".join(sorted({getattr(type(v), "materialized_as", "materialized")
+                            for v in values if is_value(v) and type(v) is not _DenseArrayValue}))
     msg = (
-        f"lorax: {what}, so {shapes} was materialized as "
-        "w + (alpha/k) * b @ a for it. The result is correct but costs a weight-sized "
-        "array; pass on_materialize='allow' to `lora` to silence this or 'error' to "
-        "forbid it."
+        f"lorax: {what}, so {shapes} was {how} for it. The result is correct but costs "
+        "a weight-sized array; pass on_materialize='allow' to `lora` to silence this or "
+        "'error' to forbid it."
     )
     if policy == "error":
         raise LoraMaterializationError(msg)

@@ -11,6 +11,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from . import _engine
 from ._spec import LORA_FREEZE, LORA_FULL, LoraSpec, as_lora_spec, check_spec_structure, path_str
 from ._sharding import place_factors
 from ._weight import LoraWeight
@@ -150,7 +151,9 @@ def init_lora(
         ```
     """
     check_spec_structure(spec, param_tree, "init_lora", is_leaf)
-    leaves, treedef = jax.tree_util.tree_flatten_with_path(param_tree, is_leaf=is_leaf)
+    # A quantized weight is one leaf (it becomes a LoraWeight's `w`).
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(
+        param_tree, is_leaf=lambda x: _engine.is_value(x) or (is_leaf is not None and is_leaf(x)))
     spec_leaves = treedef.flatten_up_to(spec)
     checked = [_check(path_str(p), s, x) for (p, x), s in zip(leaves, spec_leaves)]
     _warn_full_rank(leaves, checked)

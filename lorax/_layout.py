@@ -212,7 +212,7 @@ def infer_layout(fn: Callable[..., Any], params: Any, spec: Any, *args: Any, **k
         ```
     """
     check_spec_structure(spec, params, "infer_layout")
-    leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(params, is_leaf=_engine.is_value)
     spec_leaves = treedef.flatten_up_to(spec)
     probes = []
     for tag, ((path, leaf), spec_val) in enumerate(zip(leaves, spec_leaves)):

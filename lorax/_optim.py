@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from . import _engine
 from ._spec import LORA_FREEZE, check_spec_structure
 from ._weight import LoraWeight, unchecked_replace
 
@@ -26,7 +27,7 @@ def _labels(spec: Any, params: Any) -> Any:
             return _lora_labels(param)
         return _FREEZE if spec_val == LORA_FREEZE else _TRAIN
 
-    return jax.tree_util.tree_map(label_tree, spec, params, is_leaf=_is_lora)
+    return jax.tree_util.tree_map(label_tree, spec, params, is_leaf=_engine.is_value)
 
 
 def _lora_labels(lw: LoraWeight) -> LoraWeight:
@@ -45,9 +46,17 @@ def freeze() -> optax.GradientTransformation:
 
     def update(updates: Any, state: Any, params: Any = None) -> tuple[Any, Any]:
         del params
-        return jax.tree_util.tree_map(lambda u: jnp.full_like(u, -0.0), updates), state
+        return jax.tree_util.tree_map(_frozen_update, updates), state
 
     return optax.GradientTransformation(init, update)
+
+
+def _frozen_update(u: Any) -> Any:
+    if jnp.dtype(u.dtype) == jax.dtypes.float0:
+        # An integer leaf (a quantized weight's codes) under `jax.grad(allow_int=True)`:
+        # integer zeros, which `optax.apply_updates` adds without changing a bit.
+        return jnp.zeros(u.shape, jnp.uint8)
+    return jnp.full_like(u, -0.0)
 
 
 def wrap_optimizer(optimizer: optax.GradientTransformation, spec: Any) -> optax.GradientTransformation:

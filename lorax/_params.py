@@ -7,6 +7,7 @@ from typing import Any
 
 import jax
 
+from . import _engine
 from ._spec import LORA_FREEZE, check_spec_structure
 from ._weight import LoraWeight, unchecked_replace
 
@@ -15,8 +16,8 @@ def _is_lora(x: Any) -> bool:
     return isinstance(x, LoraWeight)
 
 
-def _merge_impl(w: jax.Array, lw: LoraWeight) -> jax.Array:
-    return w + lw.delta()
+def _merge_impl(w: jax.Array | None, lw: LoraWeight) -> jax.Array:
+    return lw.materialize() if w is None else w + lw.delta()
 
 
 @functools.lru_cache(maxsize=None)
@@ -25,8 +26,14 @@ def _merger(out_sharding: Any, donate: bool) -> Any:
     return jax.jit(_merge_impl, out_shardings=out_sharding, donate_argnums=(0,) if donate else ())
 
 
-def _merge(lw: LoraWeight, donate: bool) -> Any:
+def _merge(lw: LoraWeight, donate: bool, requantize: bool) -> Any:
     w = lw.w
+    if _engine.is_value(w):  # a quantized base: dense merged weight (re-quantized if asked)
+        merged = _merger(None, False)(None, lw)
+        if not requantize:
+            return merged
+        return type(w).from_dense(merged, w.qtype, block_size=w.block_size, axis=w.axis,
+                                  double_quant=w.scale_scales is not None, dtype=w.dense_dtype)
     sharding = None if isinstance(w, jax.core.Tracer) else getattr(w, "sharding", None)
     # A sharded `w` keeps its sharding: left to propagation, the sum could come out
     # laid out like `b @ a` (or replicated) and no longer fit the model's shardings.
@@ -36,7 +43,7 @@ def _merge(lw: LoraWeight, donate: bool) -> Any:
     return _merger(sharding, donate)(w, lw)
 
 
-def merge_params(lora_params: Any, destructive: bool = False) -> Any:
+def merge_params(lora_params: Any, destructive: bool = False, *, requantize: bool = False) -> Any:
     """Replace every `LoraWeight` by its merged weight `w + (alpha/k) * b @ a`.
 
     The result has the original model's tree structure and dtypes, so it runs in
@@ -49,6 +56,12 @@ def merge_params(lora_params: Any, destructive: bool = False) -> Any:
     - `destructive`: if `True`, donate each `LoraWeight`'s `w` to the merge so the
       merged weight can reuse its memory: the caller's `w` arrays are deleted
       afterwards. The default keeps them (lorax 0.3 deleted them by default).
+      A quantized `w` is never donated (the merged weight is dense).
+    - `requantize`: a `LoraWeight` whose `w` is a [`lorax.QuantizedArray`][] merges
+      to the dense `dequantize(w) + (alpha/k) * b @ a`, and a frozen
+      `QuantizedArray` to its dense value, so the result runs in the unmodified
+      model; with `requantize=True` merged weights are quantized again with `w`'s
+      format, block size and axis, and frozen ones stay as they are.
 
     **Returns:**
 
@@ -65,9 +78,14 @@ def merge_params(lora_params: Any, destructive: bool = False) -> Any:
         assert merged["w"].shape == (8, 4)
         ```
     """
-    return jax.tree_util.tree_map(
-        lambda x: _merge(x, destructive) if _is_lora(x) else x, lora_params, is_leaf=_is_lora
-    )
+    def merge(x: Any) -> Any:
+        if _is_lora(x):
+            return _merge(x, destructive, requantize)
+        if _engine.is_value(x) and not requantize:  # a frozen quantized weight
+            return x.dequantize()
+        return x
+
+    return jax.tree_util.tree_map(merge, lora_params, is_leaf=_engine.is_value)
 
 
 def split_lora_params(params: Any, spec: Any) -> Any:
@@ -154,8 +172,8 @@ def partition(lora_params: Any, spec: Any) -> tuple[Any, Any]:
             return unchecked_replace(param, w=None), unchecked_replace(param, a=None, b=None)
         return (None, param) if spec_val == LORA_FREEZE else (param, None)
 
-    trainable = jax.tree_util.tree_map(lambda s, p: split(s, p)[0], spec, lora_params, is_leaf=_is_lora)
-    frozen = jax.tree_util.tree_map(lambda s, p: split(s, p)[1], spec, lora_params, is_leaf=_is_lora)
+    trainable = jax.tree_util.tree_map(lambda s, p: split(s, p)[0], spec, lora_params, is_leaf=_engine.is_value)
+    frozen = jax.tree_util.tree_map(lambda s, p: split(s, p)[1], spec, lora_params, is_leaf=_engine.is_value)
     return trainable, frozen
 
 
@@ -183,7 +201,8 @@ def combine(trainable: Any, frozen: Any) -> Any:
         assert (again["w"].materialize() == lp["w"].materialize()).all()
         ```
     """
-    is_none = lambda x: x is None  # noqa: E731
+    # A quantized weight is one frozen leaf (its trainable counterpart is `None`).
+    is_none = lambda x: x is None or (_engine.is_value(x) and not _is_lora(x))  # noqa: E731
     t_leaves, t_def = jax.tree_util.tree_flatten(trainable, is_leaf=is_none)
     f_leaves, f_def = jax.tree_util.tree_flatten(frozen, is_leaf=is_none)
     if t_def != f_def:

@@ -152,7 +152,9 @@ def check_no_explicit_axes(where: str, args: tuple, kwargs: dict,
         for path, leaf in jax.tree_util.tree_flatten_with_path(arg, is_leaf=is_weight)[0]:
             if not is_weight(leaf):
                 continue
-            axes = explicit_axes(leaf.w)
+            w = leaf.w
+            # A quantized `w` is typed through its codes.
+            axes = explicit_axes(getattr(w, "codes", w))
             if axes:
                 raise NotImplementedError(
                     f"{where}: the LoraWeight at {name}{jax.tree_util.keystr(path)} is "

@@ -165,7 +165,11 @@ def simple_spec(
             return LORA_FULL if tune_vectors else LORA_FREEZE
         return decision_fn(path_str(path), arr)
 
-    return jax.tree_util.tree_map_with_path(leaf_spec, params, is_leaf=is_leaf)
+    from ._engine import is_value  # local: the engine does not depend on specs
+
+    # A quantized weight is one parameter, whatever its leaves.
+    return jax.tree_util.tree_map_with_path(
+        leaf_spec, params, is_leaf=lambda x: is_value(x) or (is_leaf is not None and is_leaf(x)))
 
 
 def check_spec_structure(spec: Any, params: Any, where: str, is_leaf: Any = None) -> None:
@@ -173,9 +177,10 @@ def check_spec_structure(spec: Any, params: Any, where: str, is_leaf: Any = None
     spec_paths = {
         path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(spec)[0]
     }
-    from ._weight import LoraWeight  # local: _weight does not depend on specs
+    from ._engine import is_value  # local: the engine does not depend on specs
 
-    stop = lambda x: isinstance(x, LoraWeight) or (is_leaf is not None and is_leaf(x))  # noqa: E731
+    # A LoraWeight or QuantizedArray is one parameter, whatever its leaves.
+    stop = lambda x: is_value(x) or (is_leaf is not None and is_leaf(x))  # noqa: E731
     param_paths = {
         path_str(p)
         for p, _ in jax.tree_util.tree_flatten_with_path(params, is_leaf=stop)[0]
@@ -203,12 +208,16 @@ class SpecSummary:
     n_frozen: int
     trainable: int
     total: int
+    base_bytes: int = 0
+    quantized: int = 0
 
     def __str__(self) -> str:
         pct = 100.0 * self.trainable / max(self.total, 1)
+        quant = f", {self.quantized} of them quantized" if self.quantized else ""
         return (
             f"LoRA on {self.n_lora} weights, {self.n_full} trained fully, {self.n_frozen} "
-            f"frozen; trainable parameters: {self.trainable:,} of {self.total:,} ({pct:.2f}%)"
+            f"frozen; trainable parameters: {self.trainable:,} of {self.total:,} ({pct:.2f}%); "
+            f"base weights {self.base_bytes / 2**20:,.1f} MiB{quant}"
         )
 
 
@@ -223,7 +232,10 @@ def summary(params: Any, spec: Any) -> SpecSummary:
     **Returns:**
 
     A [`lorax.SpecSummary`][]; `print(lorax.summary(params, spec))` prints one line.
-    The total counts the base model's parameters (a `LoraWeight` counts as its `w`).
+    The total counts the base model's parameters (a `LoraWeight` counts as its `w`);
+    `base_bytes` is what the base weights take in memory (a quantized one counts
+    its codes and scales) and `quantized` how many of them are
+    [`lorax.QuantizedArray`][]s.
 
     !!! Example
 
@@ -239,18 +251,28 @@ def summary(params: Any, spec: Any) -> SpecSummary:
     """
     import math
 
+    from ._engine import is_value
     from ._weight import LoraWeight
 
     check_spec_structure(spec, params, "summary")
-    is_lora = lambda x: isinstance(x, LoraWeight)  # noqa: E731
-    flat, treedef = jax.tree_util.tree_flatten(params, is_leaf=is_lora)
-    n_lora = n_full = n_frozen = trainable = total = 0
+    flat, treedef = jax.tree_util.tree_flatten(params, is_leaf=is_value)
+    n_lora = n_full = n_frozen = trainable = total = base_bytes = quantized = 0
+
+    def weight_bytes(x: Any) -> int:
+        nonlocal quantized
+        if is_value(x):  # a QuantizedArray: its codes, scales and the rest
+            quantized += 1
+            return int(x.nbytes)
+        return math.prod(getattr(x, "shape", ())) * jnp.dtype(getattr(x, "dtype", jnp.float32)).itemsize
+
     for leaf, spec_val in zip(flat, treedef.flatten_up_to(spec)):
         if isinstance(leaf, LoraWeight):
             n_lora += 1
             trainable += leaf.a.size + leaf.b.size
             total += leaf.w.size
+            base_bytes += weight_bytes(leaf.w)
             continue
+        base_bytes += weight_bytes(leaf)
         shape = tuple(getattr(leaf, "shape", ()))
         size = math.prod(shape)
         total += size
@@ -267,4 +289,4 @@ def summary(params: Any, spec: Any) -> SpecSummary:
             trainable += size
         else:
             n_frozen += 1
-    return SpecSummary(n_lora, n_full, n_frozen, trainable, total)
+    return SpecSummary(n_lora, n_full, n_frozen, trainable, total, base_bytes, quantized)

@@ -28,6 +28,8 @@ def _freeze(x: Any) -> Any:
     # rules read the loop input itself, and no body ever sees a differentiable W.
     if isinstance(x, LoraWeight):
         return dataclasses.replace(x, w=lax.stop_gradient(x.w))
+    if _engine.is_value(x):  # a bare quantized weight: its scales are frozen too
+        return lax.stop_gradient(x)
     return x
 
 
@@ -80,7 +82,7 @@ def lora(fn: F, *, on_materialize: _engine.MaterializePolicy = "warn") -> F:
     @functools.wraps(fn)
     def lora_fn(*args: Any, **kwargs: Any) -> Any:
         _sharding.check_no_explicit_axes("lora", args, kwargs, _is_lora)
-        args, kwargs = jax.tree_util.tree_map(_freeze, (args, kwargs), is_leaf=_is_lora)
+        args, kwargs = jax.tree_util.tree_map(_freeze, (args, kwargs), is_leaf=_engine.is_value)
         with policy_guard():
             return traced(*args, **kwargs)
 

@@ -134,7 +134,10 @@ class LoraWeight(_engine.ArrayValue, metaclass=_engine.FastPytreeMeta):
 
     # -- array-ish interface -------------------------------------------------
     def aval(self) -> jax.core.ShapedArray:
-        return weight_aval(self.w, (self.w, self.a, self.b))
+        w = self.w
+        if _engine.is_value(w):  # quantized: shape and dtype from it, variance from its codes
+            return weight_aval(w, (w.codes, self.a, self.b))
+        return weight_aval(w, (w, self.a, self.b))
 
     @property
     def rank(self) -> int:
@@ -167,12 +170,14 @@ class LoraWeight(_engine.ArrayValue, metaclass=_engine.FastPytreeMeta):
 
         An array with `w`'s shape and dtype.
         """
-        return self.w + self.delta()
+        return _dense(self.w) + self.delta()
+
+    materialized_as = "materialized as w + (alpha/k) * b @ a"
 
     def materialise(self) -> Array:
         # Quax's fallback hook. Inside `lora` the frozen weight only ever enters
         # through `stop_gradient`, the fallback included.
-        return lax.stop_gradient(self.w) + self.delta()
+        return _dense(lax.stop_gradient(self.w)) + self.delta()
 
     @staticmethod
     def default(primitive: Any, values: Any, params: dict[str, Any]) -> Any:
@@ -204,6 +209,13 @@ def unchecked_replace(lw: LoraWeight, **fields: Any) -> LoraWeight:
     Goes through pytree unflattening, as JAX itself does, so no shape check runs:
     for trees that mirror a LoRA tree's structure, not for computing with.
     """
-    leaves, treedef = jax.tree_util.tree_flatten_with_path(lw, is_leaf=lambda x: x is None)
+    # A quantized `w` is one field: stop at it.
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(
+        lw, is_leaf=lambda x: x is None or (x is not lw and _engine.is_value(x)))
     new = [fields.get(path[-1].name, leaf) for path, leaf in leaves]
     return jax.tree_util.tree_unflatten(treedef, new)
+
+
+def _dense(w: Any) -> Any:
+    """`w` as a plain array: a quantized `w` is dequantized."""
+    return w.materialise() if _engine.is_value(w) else w

@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks import _impls, blocks, dispatch, memory, speed, trace_time  # noqa: E402
+from benchmarks import _impls, blocks, dispatch, memory, qlora, speed, trace_time  # noqa: E402
 
 
 def _rows(path: Path) -> list[dict[str, str]]:
@@ -100,3 +100,19 @@ def test_blocks_quick(tmp_path):
     assert (tmp_path / "blocks_rounds.csv").exists()
     if importlib.util.find_spec("matplotlib") is not None:
         assert (tmp_path / "blocks.png").stat().st_size > 0
+
+
+def test_qlora_quick(tmp_path):
+    qlora.main(["--quick", "--models", "mlp,scan", "--out", str(tmp_path)])
+    rows = _rows(tmp_path / "qlora.csv")
+    assert {r["impl"] for r in rows} == {"dense", "int8", "nf4", "q4_1", "naive_nf4"}
+    by = {(r["model"], r["impl"]): r for r in rows}
+    for model in ("mlp", "scan"):
+        # The structural facts (deterministic): the arguments hold the quantized base only,
+        # and lorax's temporaries stay near dense LoRA's while the naive version's do not.
+        assert float(by[model, "nf4"]["args_vs_dense"]) < 0.5
+        assert float(by[model, "nf4"]["extra_temp_layers"]) <= 1.5
+        assert float(by[model, "naive_nf4"]["extra_temp_layers"]) > 1.5
+    assert "`naive_nf4`" in (tmp_path / "qlora.md").read_text()
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert (tmp_path / "qlora.png").stat().st_size > 0

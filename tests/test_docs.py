@@ -55,7 +55,7 @@ def _runnable_pages() -> list[str]:
 
 
 def test_the_runnable_pages_are_the_expected_ones():
-    assert {"index.md", "distributed.md"} <= set(_runnable_pages())
+    assert {"index.md", "distributed.md", "qlora.md"} <= set(_runnable_pages())
 
 
 @pytest.mark.parametrize("page", _runnable_pages())

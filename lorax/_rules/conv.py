@@ -40,7 +40,7 @@ def _(lhs: ArrayLike, rhs: LoraWeight, *, dimension_numbers: lax.ConvDimensionNu
                 x, kernel, dimension_numbers=dn, feature_group_count=1,
                 batch_group_count=1, **p,
             )
-            base = conv(lhs, w, **params)  # `w` is frozen already (see `lora`)
+            base = _engine.call(conv, lhs, w, **params)  # `w` is frozen already (see `lora`)
             t = conv(lhs, f_in.astype(w.dtype), **params)
             t = scale(t, rhs.scale)
             # The 1x1 kernel in the caller's rhs layout: O and I=k, unit window.

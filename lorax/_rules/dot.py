@@ -75,9 +75,10 @@ def _contract_impl(w, b, a, x, *, structure, factor_scale, lwl, xl, out, bl, al,
 
     def dot(p, pl, q, ql, keep, **params):
         # `p` is the LoRA-side operand; emit it where the caller had the weight.
+        # `_engine.call`: a quantized `w` goes through its own rule.
         if lora_first:
-            return contract(p, pl, q, ql, keep, **params)
-        return contract(q, ql, p, pl, keep, **params)
+            return _engine.call(contract, p, pl, q, ql, keep, **params)
+        return _engine.call(contract, q, ql, p, pl, keep, **params)
 
     base, base_l = dot(w, lwl, x, xl, out, **dot_params)
     low_params = {k: v for k, v in dot_params.items() if k != "out_sharding"}

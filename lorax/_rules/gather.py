@@ -103,7 +103,7 @@ def _(lw: LoraWeight, indices: ArrayLike, *, dimension_numbers: lax.GatherDimens
             a_dn = _remap(dn, {d: d for d in batch_axes}, [*kept_b, *range(out_rank - nm - nn, out_rank - nm + 1)])
             b = gather(lw.b, b_dn, (*slice_sizes[: nb + nm], k))
             a = gather(lw.a, a_dn, (*slice_sizes[:nb], k, *slice_sizes[nb + nm :]))
-            w = lax.gather_p.bind(lw.w, indices, dimension_numbers=dn,
+            w = _engine.call(lax.gather_p.bind, lw.w, indices, dimension_numbers=dn,
                                   slice_sizes=tuple(slice_sizes), **w_params)
             return LoraWeight(w, a=a, b=b, alpha=lw.alpha)
 
@@ -175,6 +175,7 @@ def _lookup(lw: LoraWeight, indices: Any, dn: lax.GatherDimensionNumbers, slice_
     o_l = tuple(label[d] for d in o_axes)
     # As in the dot rule: the other factor's cotangent as a canonical matmul.
     low, low_l = factor_contract(gf, gf_l, o.astype(w.dtype), o_l, out_l, True)
-    return lax.gather_p.bind(
-        w, indices, dimension_numbers=dn, slice_sizes=tuple(slice_sizes), **params
+    return _engine.call(
+        lax.gather_p.bind, w, indices, dimension_numbers=dn, slice_sizes=tuple(slice_sizes),
+        **params,
     ) + arrange(low, low_l, out_l)

@@ -42,7 +42,7 @@ def _(lw: LoraWeight, *, permutation: Sequence[int]) -> Any:
 
     if sorted(batch) != list(range(nb)):
         return _engine.materialize_fallback(lax.transpose_p, [lw], dict(permutation=perm))
-    w = lax.transpose(lw.w, perm)
+    w = _engine.call(lax.transpose, lw.w, perm)
     if sorted(rest[:nm]) == list(m_axes) and sorted(rest[nm:]) == list(n_axes):
         b = lax.transpose(lw.b, (*batch, *rest[:nm], b_k))
         a = lax.transpose(lw.a, (*batch, a_k, *map(a_axis, rest[nm:])))
@@ -68,7 +68,7 @@ def _(lw: LoraWeight, *, new_dtype: Any, **params: Any) -> Any:
         return lw
     # The factors keep their own (often f32) dtype; rules cast them to `w`'s dtype
     # at the point of use, so gradients reach the factors at full precision.
-    w = lax.convert_element_type_p.bind(lw.w, new_dtype=new_dtype, **params)
+    w = _engine.call(lax.convert_element_type_p.bind, lw.w, new_dtype=new_dtype, **params)
     return _rebuild(lw, w, lw.a, lw.b)
 
 
@@ -101,7 +101,7 @@ def _reshape_lora(lw: LoraWeight, new_shape: Sequence[int], prim: Any, params: d
         return _engine.materialize_fallback(prim, [lw], params)
     i, j = bounds
     k = lw.rank
-    w = lax.reshape(lw.w, new_shape)
+    w = _engine.call(lax.reshape, lw.w, new_shape)
     b = lax.reshape(lw.b, (*new_shape[:j], k))
     a = lax.reshape(lw.a, (*new_shape[:i], k, *new_shape[j:]))
     return _rebuild(lw, w, a, b)
@@ -141,7 +141,7 @@ def _squeeze_out_group(lw: LoraWeight, dims: set[int]) -> Any:
     nb_out = nb - sum(d < nb for d in dims)
     batch = tuple(range(nb_out))
     low = lax.dot_general(b, a, (((b.ndim - 1,), (nb_out,)), (batch, batch)))
-    return lax.squeeze(w, tuple(sorted(dims))) + scale(low, lw.scale)
+    return _engine.call(lax.squeeze, w, tuple(sorted(dims))) + scale(low, lw.scale)
 
 
 @_engine.register(lax.broadcast_in_dim_p)
@@ -177,7 +177,7 @@ def _(lw: LoraWeight, *, start_indices: Sequence[int], limit_indices: Sequence[i
     b_start, a_start = _split_per_factor(lw, start_indices, 0)
     b_limit, a_limit = _split_per_factor(lw, limit_indices, k)
     b_stride, a_stride = _split_per_factor(lw, strides, 1)
-    w = lax.slice(lw.w, start_indices, limit_indices, strides)
+    w = _engine.call(lax.slice, lw.w, start_indices, limit_indices, strides)
     b = lax.slice(lw.b, b_start, b_limit, b_stride)
     a = lax.slice(lw.a, a_start, a_limit, a_stride)
     return _rebuild(lw, w, a, b)
@@ -188,7 +188,7 @@ def _(lw: LoraWeight, *indices: Any, slice_sizes: Sequence[int]) -> Any:
     zero = jnp.zeros((), jnp.asarray(indices[0]).dtype) if indices else 0
     b_idx, a_idx = _split_per_factor(lw, indices, zero)
     b_sizes, a_sizes = _split_per_factor(lw, slice_sizes, lw.rank)
-    w = lax.dynamic_slice(lw.w, indices, slice_sizes)
+    w = _engine.call(lax.dynamic_slice, lw.w, indices, slice_sizes)
     b = lax.dynamic_slice(lw.b, b_idx, b_sizes)
     a = lax.dynamic_slice(lw.a, a_idx, a_sizes)
     return _rebuild(lw, w, a, b)

@@ -33,15 +33,25 @@ def train_module():
 def test_quick_run(train_module, tmp_path):
     res = train_module.main(["--quick", "--out", str(tmp_path)])
 
+    # The default run: QLoRA on the GGUF's own blocks, then the dense base in a second process.
+    assert res["base"] == "q4_1"
     assert math.isfinite(res["ppl_before"]) and math.isfinite(res["ppl_after"])
     # The untuned model must already read English: a wrong weight layout gives hundreds.
     assert 1.0 < res["ppl_before"] < 1000.0
     assert len(res["losses"]) == 2 and all(math.isfinite(x) for x in res["losses"])
     assert 0 < res["trainable_params"] < 0.05 * res["total_params"]
-    assert res["xla_bytes_lora"] < res["xla_bytes_full"]
-    cmp = res["full_ft_comparison"]  # --quick times one paired full fine-tuning step
-    assert len(cmp["ratios"]) == 1 and cmp["lora_s"] > 0 and cmp["full_s"] > 0
     assert isinstance(res["sample_after"], str)
+    dense = res["dense"]
+    assert dense["base"] == "f32"
+    # The dense path is the dequantized GGUF: the same model, so the same perplexity.
+    assert abs(res["ppl_before"] - dense["ppl_before"]) < 1e-3 * dense["ppl_before"]
+    assert abs(res["ppl_after"] - dense["ppl_after"]) < 0.1
+    # The quantized base: a sixth of the bytes, and under half of XLA's estimate.
+    assert res["base_bytes"] < 0.2 * dense["base_bytes"]
+    assert res["xla_bytes_lora"] < 0.5 * dense["xla_bytes_lora"]
+    assert dense["xla_bytes_lora"] < dense["xla_bytes_full"]
+    cmp = dense["full_ft_comparison"]  # --quick times one paired full fine-tuning step
+    assert len(cmp["ratios"]) == 1 and cmp["lora_s"] > 0 and cmp["full_s"] > 0
 
     from safetensors import safe_open
 

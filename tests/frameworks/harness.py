@@ -7,6 +7,9 @@ regex choosing the weights to LoRA. It asserts that
 - the factor gradients equal those taken through `LoraWeight.materialize()`,
 - nothing is materialized (`on_materialize="error"`),
 - a few Adam steps on the partition path lower a loss and leave every W bit-identical.
+
+With `quantize="int8"` (or another qtype) the frozen base is quantized first (QLoRA):
+the reference is then the same model on the dequantized base.
 """
 
 from __future__ import annotations
@@ -40,7 +43,11 @@ def _nudge(lp: Any, key: jax.Array) -> Any:
 
 
 def _merged_tree(lp: Any) -> Any:
-    return jax.tree.map(lambda x: x.materialize() if _is_lora(x) else x, lp, is_leaf=_is_lora)
+    def dense(x):
+        if _is_lora(x):
+            return x.materialize()
+        return x.dequantize() if isinstance(x, lorax.QuantizedArray) else x
+    return jax.tree.map(dense, lp, is_leaf=lambda x: _is_lora(x) or isinstance(x, lorax.QuantizedArray))
 
 
 def _scalar(out: Any) -> jax.Array:
@@ -60,9 +67,16 @@ def check_lora_model(
     rtol: float = 2e-4,
     atol: float = 2e-5,
     steps: int = 3,
+    quantize: str | None = None,
 ) -> Any:
     spec = lorax.simple_spec(params, targets=targets, rank=rank)
     spec = lorax.infer_layout(apply, params, spec, *args)
+    if quantize is not None:
+        # min_size: quantize the small test tables too (not the multi-axis biases).
+        params = lorax.quantize(params, spec, quantize, min_size=64)
+        n_q = sum(isinstance(x, lorax.QuantizedArray)
+                  for x in jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, lorax.QuantizedArray)))
+        assert n_q >= 1
     lp = _nudge(lorax.init_lora(params, spec, jax.random.PRNGKey(1)), jax.random.PRNGKey(2))
     n_lora = sum(_is_lora(x) for x in jax.tree.leaves(lp, is_leaf=_is_lora))
     assert n_lora >= 1, f"no weight matched {targets!r}"
@@ -102,5 +116,6 @@ def check_lora_model(
     after = lorax.combine(t, frozen)
     for x, y in zip(jax.tree.leaves(after, is_leaf=_is_lora), jax.tree.leaves(lp, is_leaf=_is_lora)):
         if _is_lora(x):  # exact: W is frozen, so bit-identical after training
-            np.testing.assert_array_equal(np.asarray(x.w), np.asarray(y.w))
+            for u, v in zip(jax.tree.leaves(x.w), jax.tree.leaves(y.w)):  # codes and scales too
+                np.testing.assert_array_equal(np.asarray(u), np.asarray(v))
     return lp

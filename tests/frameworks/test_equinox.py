@@ -40,3 +40,10 @@ def test_multihead_attention():
 def test_embedding():
     emb = eqx.nn.Embedding(30, 8, key=jax.random.PRNGKey(0))
     _check(emb, (jnp.array([0, 5, 29]),), "weight", rank=3, expected_lora=1)
+
+
+def test_qlora_on_an_int8_base():
+    mlp = eqx.nn.MLP(8, 3, width_size=16, depth=2, key=jax.random.PRNGKey(0))
+    _check(mlp, (jnp.ones((4, 8)),), "weight", expected_lora=3, quantize="int8")
+    emb = eqx.nn.Embedding(30, 8, key=jax.random.PRNGKey(0))
+    _check(emb, (jnp.array([0, 5, 29]),), "weight", rank=3, expected_lora=1, quantize="int8")

@@ -86,3 +86,16 @@ def test_scanned_and_rematted_layers():
     lp = _check(M(), jnp.ones((2, 6)), "kernel", expected_lora=2)
     k = lp["ScanCheckpointBlock_0"]["Dense_0"]["kernel"]
     assert k.b.shape == (3, 12, 2) and k.a.shape == (3, 2, 6)  # per-layer factors
+
+
+def test_qlora_dense_conv_embed_on_an_int8_base():
+    class M(nn.Module):
+        @nn.compact
+        def __call__(self, ids):
+            embed = nn.Embed(50, 16)
+            h = nn.tanh(embed(ids))
+            h = nn.Conv(16, (3,), padding="SAME")(h)
+            h = nn.DenseGeneral((2, 8), axis=-1)(h)
+            return embed.attend(nn.DenseGeneral(16, axis=(-2, -1))(h))
+
+    _check(M(), jnp.array([[1, 2, 3], [4, 5, 49]]), "kernel", expected_lora=3, quantize="int8")

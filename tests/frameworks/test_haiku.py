@@ -50,3 +50,12 @@ def test_resnet_with_batchnorm_state():
     params, state = model.init(jax.random.PRNGKey(0), x, True)
     apply = lambda p, s, x: model.apply(p, s, None, x, True)  # noqa: E731
     check_lora_model(apply, params, (state, x), r"conv|logits/w", rtol=1e-3, atol=1e-4)
+
+
+def test_qlora_on_an_int8_base():
+    def fn(ids):
+        h = hk.Embed(40, 8)(ids)
+        h = hk.MultiHeadAttention(num_heads=2, key_size=4, w_init_scale=1.0)(h, h, h)
+        return hk.nets.MLP([16, 8])(h)
+
+    _check(fn, jnp.array([[1, 2, 3, 39]]), "w$", expected_lora=6, quantize="int8")

@@ -1,0 +1,321 @@
+"""QLoRA: compiled memory and step time of a quantized frozen base vs dense LoRA.
+
+    python -m benchmarks.qlora [--quick] [--out DIR] [--rounds N]
+
+Models (LoRA rank 8 on every kernel, Adam on the factors, the partition path):
+
+- `mlp`: an 8-layer relu MLP, unrolled, d x d kernels, batch 64;
+- `scan`: an 8-layer pre-norm decoder stack under `lax.scan` (stacked `(layers, in,
+  out)` kernels q, k, v, o (d x d), up (d x 4d), down (4d x d); 8 x 128 tokens);
+- `nnx`: the Flax NNX block stack of `benchmarks/blocks.py` (4 layers,
+  `nnx.MultiHeadAttention` + `nnx.Linear`), where qwix's QLoRA (`qwix.LoraProvider`
+  with `weight_qtype` nf4 / int8) runs side by side with lorax's on the same model.
+
+Implementations: `dense` (LoRA on the float32 base), `int8` / `nf4` / `q4_1` (lorax's
+`QuantizedArray` base), `naive_nf4` (the dequantize-then-dot one writes by hand:
+`x @ stop_gradient(q.dequantize()) + (x @ b) @ a`), and on `nnx` `qwix_nf4` /
+`qwix_int8`. Memory is XLA's `memory_analysis()` of the compiled step (deterministic on
+CPU): arguments (the base, factors, optimizer state, batch) and temporaries, also in
+units of one dense layer's weights. Step time: interleaved rounds in one process, the
+ratio to `dense` paired within each round, medians.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any, Callable
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    __package__ = "benchmarks"
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax import lax
+
+import lorax
+
+from . import _common as C
+from . import blocks
+
+RANK = 8
+QTYPES = ("int8", "nf4", "q4_1")
+DEFAULT = dict(mlp=(512, 1024, 2048), scan=(512, 1024), nnx=(256, 512), rounds=5)
+QUICK = dict(mlp=(128,), scan=(128,), nnx=(128,), rounds=2)
+HAVE_QWIX = blocks.HAVE_QWIX
+
+
+def _is_lora(x: Any) -> bool:
+    return isinstance(x, lorax.LoraWeight)
+
+
+# -- models ------------------------------------------------------------------------------
+
+
+def _mlp_params(d: int, layers: int = 8) -> dict:
+    keys = jax.random.split(jax.random.PRNGKey(0), layers)
+    return {f"l{i}": jax.random.normal(k, (d, d)) / d**0.5 for i, k in enumerate(keys)}
+
+
+def _mlp_apply(params: dict, x: jax.Array, dot: Callable) -> jax.Array:
+    for i in range(len(params)):
+        x = jax.nn.relu(dot(x, params[f"l{i}"]))
+    return x
+
+
+def _scan_params(d: int, layers: int = 8) -> dict:
+    keys = jax.random.split(jax.random.PRNGKey(0), 6)
+    shapes = dict(q=(d, d), k=(d, d), v=(d, d), o=(d, d), up=(d, 4 * d), down=(4 * d, d))
+    ws = {n: jax.random.normal(k, (layers, *s)) / s[0] ** 0.5 for k, (n, s) in zip(keys, shapes.items())}
+    return {"layers": ws, "norm": jnp.ones((layers, d))}
+
+
+def _scan_apply(params: dict, x: jax.Array, dot: Callable) -> jax.Array:
+    heads = x.shape[-1] // 64
+
+    def block(x, p):
+        w, norm = p
+        h = x * lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + 1e-6) * norm
+        b, t, d = h.shape
+        q, k, v = (dot(h, w[n]).reshape(b, t, heads, 64) for n in ("q", "k", "v"))
+        s = jnp.einsum("bthd,bshd->bhts", q, k) / 8.0
+        s = jnp.where(jnp.tril(jnp.ones((t, t), bool)), s, -1e9)
+        a = jnp.einsum("bhts,bshd->bthd", jax.nn.softmax(s, -1), v).reshape(b, t, d)
+        x = x + dot(a, w["o"])
+        return x + dot(jax.nn.gelu(dot(h, w["up"])), w["down"]), None
+
+    return lax.scan(block, x, (params["layers"], params["norm"]))[0]
+
+
+def _plain_dot(x: jax.Array, w: Any) -> jax.Array:
+    return x @ w
+
+
+def _naive_dot(x: jax.Array, w: Any) -> jax.Array:
+    # What one writes first: dequantize the base, then LoRA by hand.
+    base = lax.stop_gradient(w.w.dequantize())
+    return x @ base + ((x @ w.b.astype(base.dtype)) @ w.a.astype(base.dtype)) * w.scale
+
+
+# -- one implementation's step -----------------------------------------------------------
+
+
+class Runner(C.Timed):
+    def __init__(self, step: Callable, state: tuple, frozen: Any, x: jax.Array):
+        self.step, self.state, self.frozen, self.x = step, state, frozen, x
+
+    def call(self) -> Any:
+        self.state = self.step(*self.state, self.frozen, self.x)
+        return self.state[0]
+
+
+def _train_step(loss: Callable, opt: optax.GradientTransformation) -> Callable:
+    def step(trainable, opt_state, frozen, x):
+        grads = jax.grad(loss)(trainable, frozen, x)
+        updates, opt_state = opt.update(grads, opt_state, trainable)
+        return optax.apply_updates(trainable, updates), opt_state
+
+    return jax.jit(step, donate_argnums=(0, 1))
+
+
+def _lorax_runner(model: str, d: int, impl: str, x: jax.Array) -> tuple[Runner, Any]:
+    params = _mlp_params(d) if model == "mlp" else _scan_params(d)
+    apply = _mlp_apply if model == "mlp" else _scan_apply
+    if model == "mlp":
+        spec = {k: RANK for k in params}
+    else:
+        spec = {"layers": {k: lorax.LoraSpec(RANK, batch_ndim=1, m_ndim=1) for k in params["layers"]},
+                "norm": lorax.LORA_FREEZE}
+    qtype = impl.removeprefix("naive_")
+    if impl != "dense":
+        params = lorax.quantize(params, spec, qtype)
+    lp = lorax.init_lora(params, spec, jax.random.PRNGKey(1), alpha=2.0 * RANK)
+    lp = jax.tree.map(lambda w: lorax.LoraWeight(w.w, w.a, jnp.full_like(w.b, 0.01), w.alpha)
+                      if _is_lora(w) else w, lp, is_leaf=_is_lora)
+    trainable, frozen = lorax.partition(lp, spec)
+    if impl.startswith("naive_"):
+        def loss(t, f, x):
+            return jnp.mean(apply(lorax.combine(t, f), x, _naive_dot) ** 2)
+    else:
+        fn = lorax.lora(lambda p, x: apply(p, x, _plain_dot), on_materialize="error")
+
+        def loss(t, f, x):
+            return jnp.mean(fn(lorax.combine(t, f), x) ** 2)
+    opt = optax.adam(1e-3)
+    step = _train_step(loss, opt)
+    compiled = step.lower(trainable, opt.init(trainable), frozen, x).compile()
+    state = (jax.tree.map(jnp.copy, trainable), opt.init(trainable))
+    return Runner(step, state, frozen, x), compiled
+
+
+def _nnx_runner(d: int, impl: str, x: jax.Array) -> tuple[Runner, Any]:
+    from flax import nnx
+
+    module = blocks.make_nnx(d, 4)
+    opt = optax.adam(1e-3)
+    if impl.startswith("qwix_"):
+        import qwix
+
+        qtype = {"qwix_nf4": "nf4", "qwix_int8": "int8"}[impl]
+        provider = qwix.LoraProvider(module_path=r".*/(query|key|value|out|up|down)", rank=RANK,
+                                     alpha=2.0 * RANK, weight_qtype=qtype,
+                                     tile_size=64 if qtype == "nf4" else None)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", category=DeprecationWarning)
+            qm = qwix.apply_lora_to_model(module, provider, jnp.zeros((1, 8, d), jnp.float32),
+                                          rngs=nnx.Rngs(0))
+        graphdef, lora_state, rest = nnx.split(qm, nnx.LoRAParam, ...)
+        lora_state = jax.tree.map(lambda a: jnp.full_like(a, 0.01), lora_state)
+
+        def loss(t, f, x):
+            return jnp.mean(nnx.merge(graphdef, t, f)(x) ** 2)
+        trainable, frozen = lora_state, rest
+    else:
+        graphdef, state = nnx.split(module)
+        spec = lorax.simple_spec(state, targets=r"(query|key|value|out|up|down)/kernel", rank=RANK)
+        spec = lorax.infer_layout(lambda s, x: nnx.merge(graphdef, s)(x), state, spec, x)
+        if impl != "dense":
+            state = lorax.quantize(state, spec, impl)
+        lp = lorax.init_lora(state, spec, jax.random.PRNGKey(1), alpha=2.0 * RANK)
+        trainable, frozen = lorax.partition(lp, spec)
+        fn = lorax.lora(lambda s, x: nnx.merge(graphdef, s)(x), on_materialize="error")
+
+        def loss(t, f, x):
+            return jnp.mean(fn(lorax.combine(t, f), x) ** 2)
+    step = _train_step(loss, opt)
+    compiled = step.lower(trainable, opt.init(trainable), frozen, x).compile()
+    state = (jax.tree.map(jnp.copy, trainable), opt.init(trainable))
+    return Runner(step, state, frozen, x), compiled
+
+
+def _impls(model: str) -> tuple[str, ...]:
+    if model == "nnx":
+        return ("dense", "int8", "nf4", *(("qwix_int8", "qwix_nf4") if HAVE_QWIX else ()))
+    return ("dense", *QTYPES, "naive_nf4")
+
+
+def _layer_bytes(model: str, d: int) -> int:
+    return d * d * 4  # one d x d float32 weight
+
+
+class Cell:
+    def __init__(self, model: str, d: int):
+        self.model, self.d = model, d
+        self.label = f"{model} d{d}"
+        if model == "mlp":
+            x = jax.random.normal(jax.random.PRNGKey(2), (64, d))
+        else:
+            x = jax.random.normal(jax.random.PRNGKey(2), (8, 128, d) if model == "scan" else (4, 128, d))
+        self.runners: dict[str, Runner] = {}
+        self.memory: dict[str, tuple[float, float]] = {}
+        for impl in _impls(model):
+            runner, compiled = (_nnx_runner(d, impl, x) if model == "nnx"
+                                else _lorax_runner(model, d, impl, x))
+            m = compiled.memory_analysis()
+            self.runners[impl] = runner
+            self.memory[impl] = (m.argument_size_in_bytes, m.temp_size_in_bytes)
+        self.times: dict[str, list[float]] = {n: [] for n in self.runners}
+        warm = self.runners["dense"].measure(2)
+        self.n_inner = max(1, min(20, int(0.05 / max(warm, 1e-6))))
+        for r in self.runners.values():
+            r.measure(1)
+
+
+def main(argv: list[str] | None = None) -> Path:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--out", default=None)
+    p.add_argument("--rounds", type=int, default=None)
+    p.add_argument("--models", default="mlp,scan,nnx", help="comma-separated subset")
+    a = p.parse_args(argv)
+    cfg = QUICK if a.quick else DEFAULT
+    rounds = a.rounds or cfg["rounds"]
+    out = C.out_dir(a.out)
+    t0 = time.perf_counter()
+    load_start = C.loadavg()
+    cells = []
+    for model in (m for m in ("mlp", "scan", "nnx") if m in a.models.split(",")):
+        if model == "nnx" and not HAVE_QWIX and not a.quick:
+            print("[qlora] qwix not installed: nnx cells without qwix", flush=True)
+        for d in cfg[model]:
+            cells.append(Cell(model, d))
+            print(f"[qlora] compiled {cells[-1].label} ({time.perf_counter() - t0:.0f}s)", flush=True)
+    raw = C.interleaved_rounds(cells, rounds, "qlora", lambda c: dict(cell=c.label), t0)
+    rows = []
+    for c in cells:
+        lb = _layer_bytes(c.model, c.d)
+        for impl in c.runners:
+            args_b, temp_b = c.memory[impl]
+            ratios = [t / td for t, td in zip(c.times[impl], c.times["dense"])]
+            rows.append(dict(model=c.model, d=c.d, impl=impl,
+                             args_mib=args_b / 2**20, temp_mib=temp_b / 2**20,
+                             temp_layers=temp_b / lb,
+                             extra_temp_layers=(temp_b - c.memory["dense"][1]) / lb,
+                             args_vs_dense=args_b / c.memory["dense"][0],
+                             ms=C.median(c.times[impl]) * 1e3,
+                             time_vs_dense=C.median(ratios)))
+    C.write_csv(out / "qlora.csv", rows)
+    C.write_csv(out / "qlora_rounds.csv", raw)
+    (out / "qlora.md").write_text(_markdown(rows, rounds, load_start, time.perf_counter() - t0))
+    _plot(out / "qlora.png", rows)
+    print(f"[qlora] wrote {out / 'qlora.md'} ({time.perf_counter() - t0:.0f}s)", flush=True)
+    return out
+
+
+def _markdown(rows: list[dict], rounds: int, load_start: str, elapsed: float) -> str:
+    md = ["# QLoRA: a quantized frozen base", "",
+          C.machine_md({"load average (1/5/15 min) at start": load_start,
+                        "load average at end": C.loadavg(),
+                        "run": f"{rounds} rounds, {elapsed:.0f} s"}), "",
+          "Compiled memory of one training step (XLA's `memory_analysis()`) and step time. "
+          "`temp (layers)`: temporaries in units of one d x d float32 weight; `extra`: "
+          "temporaries beyond the dense-LoRA step's. `/ dense`: the step time paired with "
+          "the dense-LoRA step's in each round (median).", ""]
+    header = ["model", "d", "impl", "arguments MiB", "args / dense", "temporaries MiB",
+              "temp (layers)", "extra (layers)", "ms / step", "time / dense"]
+    body = [[r["model"], r["d"], f"`{r['impl']}`", f"{r['args_mib']:.1f}",
+             f"{r['args_vs_dense']:.2f}", f"{r['temp_mib']:.1f}", f"{r['temp_layers']:.2f}",
+             f"{r['extra_temp_layers']:+.2f}", f"{r['ms']:.1f}", f"{r['time_vs_dense']:.2f}"]
+            for r in rows]
+    md.append(C.md_table(header, body))
+    return "\n".join(md) + "\n"
+
+
+def _plot(path: Path, rows: list[dict]) -> None:
+    plt = C.pyplot("qlora")
+    if plt is None:
+        return
+    cells = list(dict.fromkeys((r["model"], r["d"]) for r in rows))
+    impls = list(dict.fromkeys(r["impl"] for r in rows))
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    width = 0.8 / len(impls)
+    for j, (key, label) in enumerate((("args_vs_dense", "arguments / dense LoRA"),
+                                      ("extra_temp_layers", "temporaries beyond dense LoRA (layers)"),
+                                      ("time_vs_dense", "step time / dense LoRA"))):
+        ax = axes[j]
+        for i, impl in enumerate(impls):
+            xs, ys = [], []
+            for c, cell in enumerate(cells):
+                r = next((r for r in rows if (r["model"], r["d"]) == cell and r["impl"] == impl), None)
+                if r is not None:
+                    xs.append(c + (i - len(impls) / 2 + 0.5) * width)
+                    ys.append(r[key])
+            ax.bar(xs, ys, width, label=impl)
+        ax.set_xticks(range(len(cells)), [f"{m}\nd{d}" for m, d in cells], fontsize=8)
+        ax.set_title(label, fontsize=10)
+        ax.axhline(1.0 if key != "extra_temp_layers" else 0.0, color="k", lw=0.6)
+    axes[0].legend(fontsize=7)
+    fig.suptitle("QLoRA vs dense LoRA: compiled memory and step time")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,299 @@
+"""`QuantizedArray`: a frozen weight kept in its quantized blocks, as one array-ish value."""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import Array, lax
+
+from .. import _engine
+from . import _formats as F
+
+
+def logical_shape(other: tuple[int, ...], k: int, axis: int) -> tuple[int, ...]:
+    """The dense shape: `other` with the block axis (length `k`) at `axis` (< 0)."""
+    shape = list(other)
+    shape.insert(len(other) + 1 + axis, k)
+    return tuple(shape)
+
+
+class QuantizedArray(_engine.ArrayValue, metaclass=_engine.FastPytreeMeta):
+    """A frozen weight stored as quantized blocks; inside [`lorax.lora`][] it behaves
+    like its dense value without that array being kept.
+
+    Build one with [`lorax.quantize`][] (a whole parameter tree),
+    `QuantizedArray.from_dense` (one array) or `QuantizedArray.from_gguf` (a GGUF
+    tensor's bytes as they are on disk). It can stand anywhere a frozen weight can:
+    as a bare leaf of the parameters or as a [`lorax.LoraWeight`][]'s `w` (QLoRA).
+    Rules dequantize it per use, inside the operation that reads it, and the
+    backward pass dequantizes again rather than keeping the dense weight: no
+    dense copy of the base lives from one layer (or `lax.scan` iteration) to the next.
+
+    Values are blocks of `block_size` consecutive entries along one axis, the *block
+    axis* (`axis`, counted from the end: `-2` for an `(in, out)` kernel, whose blocks
+    run along its input axis). The leaves are stored with that axis last and split
+    into blocks (see `lorax/_quant/_formats.py`):
+
+    - `codes`: `(*other, n_blocks, code_bytes)`, two 4-bit codes per byte;
+    - `scales`: `(*other, n_blocks)`;
+    - `mins`: Q4_1's per-block minimum, else `None`;
+    - `scale_scales`, `scale_offset`: NF4's double quantization of `scales`, else `None`.
+
+    `qtype`, `block_size`, `axis` and `dense_dtype` (the dtype of the dense value) are
+    static. Slicing the leading axes of all leaves together (as `lax.scan` does with a
+    stacked `(layers, in, out)` kernel) gives the per-layer weight.
+
+    The codes and scales are frozen: [`lorax.lora`][] puts them behind
+    `stop_gradient`, and `partition`, `wrap_optimizer` and the rules never train them.
+
+    !!! Example
+
+        ```python
+        import jax, jax.numpy as jnp
+        import lorax
+
+        w = jax.random.normal(jax.random.PRNGKey(0), (256, 128))
+        q = lorax.QuantizedArray.from_dense(w, "nf4")
+        assert q.shape == (256, 128) and q.nbytes < 0.16 * w.nbytes
+        assert jnp.abs(q.dequantize() - w).max() < 0.2 * jnp.abs(w).max()
+        ```
+    """
+
+    codes: Array
+    scales: Array
+    mins: Array | None
+    scale_scales: Array | None
+    scale_offset: Array | None
+    qtype: str = eqx.field(static=True)
+    block_size: int = eqx.field(static=True)
+    axis: int = eqx.field(static=True)
+    dense_dtype: Any = eqx.field(static=True)
+    # Set when the blocks run along the leading axis: slicing the leaves' leading axis
+    # (`lax.scan`, `vmap`) would then cut across other axes than it should (see aval).
+    blocks_lead: int = eqx.field(static=True, default=0)
+
+    def __init__(self, codes: Array, scales: Array, mins: Array | None = None, *,
+                 qtype: str, block_size: int, axis: int = -2, dense_dtype: Any = jnp.float32,
+                 scale_scales: Array | None = None, scale_offset: Array | None = None):
+        fmt = F.get_format(qtype)
+        if axis >= 0:
+            raise ValueError(f"QuantizedArray.axis counts from the end (< 0), got {axis}.")
+        c_shape, s_shape = tuple(jnp.shape(codes)), tuple(jnp.shape(scales))
+        if (len(c_shape) < 2 or c_shape[-1] != fmt.code_bytes(block_size)
+                or s_shape != c_shape[:-1] or -axis > len(c_shape) - 1):
+            raise ValueError(
+                f"QuantizedArray({qtype!r}, block_size={block_size}, axis={axis}): expected "
+                f"codes (*other, n_blocks, {fmt.code_bytes(block_size)}) and scales "
+                f"(*other, n_blocks) with len(other) >= {-axis - 1}; got codes {c_shape}, "
+                f"scales {s_shape}."
+            )
+        if fmt.has_mins != (mins is not None):
+            raise ValueError(f"qtype {qtype!r} {'needs' if fmt.has_mins else 'has no'} mins.")
+        if (scale_scales is None) != (scale_offset is None):
+            raise ValueError("scale_scales and scale_offset come together (double quantization).")
+        self.codes = codes
+        self.scales = scales
+        self.mins = mins
+        self.scale_scales = scale_scales
+        self.scale_offset = scale_offset
+        self.qtype = qtype
+        self.block_size = int(block_size)
+        self.axis = int(axis)
+        self.dense_dtype = jnp.dtype(dense_dtype)
+        n = len(c_shape) - 1
+        self.blocks_lead = n if n + axis == 0 else 0
+
+    # -- array-ish interface -------------------------------------------------------
+
+    @property
+    def format(self) -> F.Format:
+        return F.FORMATS[self.qtype]
+
+    @property
+    def storage_shape(self) -> tuple[int, ...]:
+        """The dense value's shape with the block axis last: `(*other, n_blocks * block_size)`."""
+        return (*self.codes.shape[:-2], self.codes.shape[-2] * self.block_size)
+
+    def aval(self) -> jax.core.ShapedArray:
+        if self.blocks_lead and self.codes.ndim - 1 < self.blocks_lead:
+            raise ValueError(
+                "A QuantizedArray whose blocks run along its leading axis lost a leading "
+                "axis of its leaves (lax.scan or jax.vmap over it): its leaves are stored "
+                "with the block axis last, so that sliced another axis than the leading "
+                "one. Scan or vmap over an axis before the block axis (quantize stacked "
+                "weights with the stack axis first: LoraSpec(batch_ndim=1)), or index the "
+                "array inside the function instead.")
+        st = self.storage_shape
+        return jax.core.ShapedArray(logical_shape(st[:-1], st[-1], self.axis), self.dense_dtype)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every leaf (codes, scales and the rest): what the weight costs."""
+        return sum(x.size * jnp.dtype(x.dtype).itemsize for x in jax.tree_util.tree_leaves(self))
+
+    def dequantize_storage(self) -> Array:
+        """The dense value with the block axis last (`storage_shape`), in `dense_dtype`."""
+        scales = self.scales
+        if self.scale_scales is not None:
+            scales = F.double_dequantize(scales, self.scale_scales, self.scale_offset)
+        w = F.dequantize_blocks(self.format, self.codes, scales, self.mins)
+        return w.astype(self.dense_dtype)
+
+    def dequantize(self, dtype: Any = None) -> Array:
+        """The dense array.
+
+        **Arguments:**
+
+        - `dtype`: the result's dtype (default: `dense_dtype`, the quantized weight's
+          own).
+
+        **Returns:**
+
+        An array of shape `self.shape`.
+        """
+        w = jnp.moveaxis(self.dequantize_storage(), -1, self.axis)
+        return w if dtype is None else w.astype(dtype)
+
+    materialized_as = "dequantized to a dense array"
+
+    def materialise(self) -> Array:
+        # Quax's fallback hook: the whole dense weight, frozen.
+        return lax.stop_gradient(self.dequantize())
+
+    @staticmethod
+    def default(primitive: Any, values: Any, params: dict[str, Any]) -> Any:
+        return _engine.materialize_fallback(primitive, values, params)
+
+    def __repr__(self) -> str:
+        return (f"QuantizedArray({self.qtype}, shape={self.shape}, dtype={self.dtype}, "
+                f"block_size={self.block_size}, axis={self.axis}, {self.nbytes} bytes)")
+
+    # -- constructors ---------------------------------------------------------------------
+
+    @classmethod
+    def from_dense(cls, w: Array, qtype: str = "nf4", *, block_size: int | None = None,
+                   axis: int = -2, double_quant: bool = False,
+                   dtype: Any = None) -> "QuantizedArray":
+        """Quantize one array.
+
+        **Arguments:**
+
+        - `w`: a floating-point array with at least two axes.
+        - `qtype`: one of `"int8"`, `"int4"`, `"nf4"`, `"q4_0"`, `"q4_1"`, `"q8_0"`.
+        - `block_size`: values per block along `axis` (default: the format's; `int8` is
+          one block per output channel; the GGUF types are fixed at 32).
+        - `axis`: the block axis (default `-2`, an `(in, out)` kernel's input axis).
+        - `double_quant`: NF4 only: also quantize the absmax values (8 bits, blocks of 256).
+        - `dtype`: the dense value's dtype (default `w`'s).
+
+        **Returns:**
+
+        A `QuantizedArray` of `w`'s shape.
+        """
+        fmt = F.get_format(qtype)
+        shape = tuple(jnp.shape(w))
+        dtype = jnp.dtype(dtype or jnp.result_type(w))
+        check_quantizable(fmt, shape, jnp.result_type(w), axis, block_size, double_quant, "w")
+        bs = resolve_block_size(fmt, shape[axis], block_size)
+        leaves = _quantize_leaves(jnp.asarray(w), qtype, bs, axis, double_quant)
+        return cls(*leaves[:3], qtype=qtype, block_size=bs, axis=axis, dense_dtype=dtype,
+                   scale_scales=leaves[3], scale_offset=leaves[4])
+
+    @classmethod
+    def from_gguf(cls, data: Any, qtype: str, *, transpose: bool = True,
+                  dtype: Any = jnp.float32) -> "QuantizedArray":
+        """Wrap a GGUF tensor's blocks as they are on disk (no re-quantization).
+
+        **Arguments:**
+
+        - `data`: the tensor's bytes as `gguf.GGUFReader` gives them, a `uint8` array
+          `(*rows, bytes_per_row)` (numpy order: an `(out, in)` weight or a
+          `(vocab, dim)` embedding, blocks along the last axis).
+        - `qtype`: `"q4_0"`, `"q4_1"` or `"q8_0"`.
+        - `transpose`: `True` gives the `(in, out)` kernel `x @ W` expects (block axis
+          `-2`); `False` keeps GGUF's `(out, in)` order (block axis `-1`), as an
+          embedding table wants. Both are the same bytes.
+        - `dtype`: the dense value's dtype.
+
+        **Returns:**
+
+        A `QuantizedArray` whose `dequantize()` equals `gguf.quants.dequantize(data)`
+        (transposed if `transpose`).
+        """
+        fmt = F.get_format(qtype)
+        if not fmt.fixed_block:
+            raise ValueError(f"from_gguf: {qtype!r} is not a GGUF block type (q4_0, q4_1, q8_0).")
+        data = np.asarray(data)
+        scale_bytes = 4 if fmt.has_mins else 2
+        record = scale_bytes + fmt.code_bytes(32)
+        if data.dtype != np.uint8 or data.ndim < 2 or data.shape[-1] % record:
+            raise ValueError(
+                f"from_gguf: expected uint8 bytes (*rows, n * {record}) for {qtype}, got "
+                f"{data.dtype} {data.shape}.")
+        blocks = data.reshape(*data.shape[:-1], data.shape[-1] // record, record)
+        scales = np.ascontiguousarray(blocks[..., :2]).view(np.float16)[..., 0]
+        mins = (np.ascontiguousarray(blocks[..., 2:4]).view(np.float16)[..., 0]
+                if fmt.has_mins else None)
+        codes = np.ascontiguousarray(blocks[..., scale_bytes:])
+        if fmt.bits == 8:
+            codes = codes.view(np.int8)
+        return cls(jnp.asarray(codes), jnp.asarray(scales),
+                   None if mins is None else jnp.asarray(mins), qtype=qtype, block_size=32,
+                   axis=-2 if transpose else -1, dense_dtype=dtype)
+
+
+def resolve_block_size(fmt: F.Format, k: int, block_size: int | None) -> int:
+    if fmt.fixed_block or block_size is None:
+        return fmt.block_size or k
+    return int(block_size)
+
+
+def check_quantizable(fmt: F.Format, shape: tuple[int, ...], dtype: Any, axis: int,
+                      block_size: int | None, double_quant: bool, where: str) -> None:
+    """Raise a `ValueError` naming `where` if the array cannot be quantized as asked."""
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise ValueError(f"quantize: {where} has dtype {dtype}; only floating-point "
+                         "arrays can be quantized.")
+    if len(shape) < 2:
+        raise ValueError(f"quantize: {where} has shape {shape}; quantized weights need at "
+                         "least two axes (vectors and scalars stay dense).")
+    if not -len(shape) <= axis < 0:
+        raise ValueError(f"quantize: block axis {axis} is out of range for {where} of shape "
+                         f"{shape} (count it from the end, -1 to -{len(shape)}).")
+    if fmt.fixed_block and block_size not in (None, fmt.block_size):
+        raise ValueError(f"quantize: {fmt.name} blocks are {fmt.block_size} values; got "
+                         f"block_size={block_size} for {where}.")
+    k = shape[axis]
+    bs = resolve_block_size(fmt, k, block_size)
+    if bs < 1 or k % bs or (fmt.bits == 4 and bs % 2):
+        raise ValueError(
+            f"quantize: {where} has shape {shape}; its block axis ({axis}, length {k}) is "
+            f"not a multiple of the {fmt.name} block size {bs}"
+            + (" (4-bit blocks need an even size)" if fmt.bits == 4 and bs % 2 else "")
+            + ". Pass another block_size (or leave this weight dense with LORA_FULL).")
+    if double_quant and fmt.name != "nf4":
+        raise ValueError(f"quantize: double_quant is NF4's; got qtype {fmt.name!r}.")
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4))
+def _quantize_leaves(w: Array, qtype: str, block_size: int, axis: int,
+                     double_quant: bool) -> tuple[Any, ...]:
+    fmt = F.FORMATS[qtype]
+    st = jnp.moveaxis(w, axis, -1).astype(jnp.float32)
+    blocks = st.reshape(*st.shape[:-1], st.shape[-1] // block_size, block_size)
+    q, d, m = fmt.quantize(blocks)
+    codes = F.pack(fmt, q).astype(fmt.code_dtype)
+    d = d.astype(fmt.scale_dtype)
+    m = None if m is None else m.astype(fmt.scale_dtype)
+    if double_quant:
+        dq, ds, off = F.double_quantize(d.astype(jnp.float32))
+        return codes, dq, m, ds, off
+    return codes, d, m, None, None
+
+

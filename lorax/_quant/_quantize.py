@@ -1,0 +1,143 @@
+"""`quantize(params, spec, qtype)`: quantize a model's frozen base, leaf by leaf."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from .._spec import LORA_FREEZE, as_lora_spec, check_spec_structure, path_str
+from . import _formats as F
+from ._array import QuantizedArray, check_quantizable
+
+
+def _block_axis(spec_val: Any, ndim: int) -> int | None:
+    """The block axis for a leaf with this spec value (`None`: keep it dense)."""
+    ls = as_lora_spec(spec_val)
+    if ls is None:
+        return -2 if spec_val == LORA_FREEZE else None
+    nb = ls.batch_ndim or 0
+    nm = ndim - nb - 1 if ls.m_ndim is None else ls.m_ndim
+    return nb + nm - 1 - ndim  # the last of the M (input) axes, counted from the end
+
+
+def quantize(
+    params: Any,
+    spec: Any,
+    qtype: str = "nf4",
+    *,
+    block_size: int | None = None,
+    dtype: Any = None,
+    double_quant: bool = False,
+    axis: int | Callable[[str, Any], int | None] | None = None,
+    min_size: int = 4096,
+    is_leaf: Callable[[Any], bool] | None = None,
+) -> Any:
+    """Quantize the frozen base of a parameter tree: every weight a spec value marks
+    as a LoRA target (a rank or [`lorax.LoraSpec`][]) or `LORA_FREEZE`.
+
+    Vectors, scalars, non-float leaves, `LORA_FULL` leaves, frozen leaves of fewer
+    than `min_size` values (multi-axis biases, small tables: nothing to save) and
+    frozen leaves whose block axis does not split into whole blocks, and frozen
+    `(n, dim)` leaves with fewer than 32 rows (stacked `(layers, dim)` norm scales:
+    blocks along the layers would mix them) stay as they are (the same arrays);
+    [`lorax.summary`][] says how many weights were quantized. Quantize *before* [`lorax.init_lora`][]: it then wraps each
+    quantized weight in a `LoraWeight` whose `w` is the [`lorax.QuantizedArray`][]
+    (QLoRA), with factors in the dequantized dtype.
+
+    Blocks run along a weight's input axis: for a LoRA target the last of the axes
+    `b` carries (its `M` axes, as `init_lora` factors it: the second-to-last axis
+    unless the `LoraSpec` says otherwise; a stacked `(layers, in, out)` kernel with
+    `batch_ndim=1` is quantized per layer), for a `LORA_FREEZE` leaf the
+    second-to-last axis. An embedding looked up by rows keeps its lookups cheap
+    either way; pass `axis` to choose (GGUF blocks its token embedding along `dim`,
+    `axis=-1` for a `(vocab, dim)` table).
+
+    **Arguments:**
+
+    - `params`: the model's parameters (dense arrays).
+    - `spec`: a spec tree with `params`' structure (see [`lorax.simple_spec`][]).
+    - `qtype`: `"int8"` (symmetric, one scale per output channel), `"int4"`
+      (symmetric, blocks of 32), `"nf4"` (QLoRA's NormalFloat4, absmax per block of
+      64), or GGUF's `"q4_0"`, `"q4_1"`, `"q8_0"` (blocks of 32, as llama.cpp's
+      reference quantizer writes them).
+    - `block_size`: values per block (not for the GGUF types, whose blocks are 32).
+    - `dtype`: the dtype the weights dequantize to (default: each leaf's own).
+    - `double_quant`: NF4 only: also quantize the per-block absmax values (8 bits per
+      256 of them), as QLoRA does: 0.127 instead of 0.141 bytes per f32 byte.
+    - `axis`: the block axis for every quantized leaf (counted from the end), or a
+      function `(key path string, leaf) -> axis or None` (`None`: the default rule).
+    - `min_size`: `LORA_FREEZE` leaves with fewer values stay dense (LoRA targets are
+      quantized whatever their size).
+    - `is_leaf`: passed to `jax.tree_util`.
+
+    **Returns:**
+
+    `params` with a `QuantizedArray` for every quantized leaf.
+
+    **Raises:**
+
+    `ValueError` naming the key path, for an unknown `qtype` (listing the known
+    ones), or for a LoRA target that cannot be quantized: a block size that does not
+    divide its block axis, an integer dtype, fewer than two axes.
+
+    !!! Example
+
+        ```python
+        import jax, jax.numpy as jnp
+        import lorax
+
+        params = {"w": jax.random.normal(jax.random.PRNGKey(0), (128, 64)), "bias": jnp.zeros(64)}
+        spec = {"w": 8, "bias": lorax.LORA_FREEZE}
+        q = lorax.quantize(params, spec, "nf4")
+        assert isinstance(q["w"], lorax.QuantizedArray) and q["bias"] is params["bias"]
+        lp = lorax.init_lora(q, spec, jax.random.PRNGKey(1))
+        y = lorax.lora(lambda p, x: x @ p["w"] + p["bias"])(lp, jnp.ones((2, 128)))
+        assert y.shape == (2, 64)
+        ```
+    """
+    fmt = F.get_format(qtype)
+    check_spec_structure(spec, params, "quantize", is_leaf)
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(params, is_leaf=is_leaf)
+    spec_leaves = treedef.flatten_up_to(spec)
+    out = []
+    for (path, x), spec_val in zip(leaves, spec_leaves):
+        where = repr(path_str(path))
+        shape = tuple(getattr(x, "shape", ()))
+        dtype_x = getattr(x, "dtype", None)
+        default = _block_axis(spec_val, len(shape))
+        if default is None or isinstance(x, QuantizedArray):
+            out.append(x)
+            continue
+        # Vectors and scalars stay dense when frozen; a rank on them is an error
+        # init_lora reports anyway, so say it here with the quantization's words.
+        if as_lora_spec(spec_val) is None and (len(shape) < 2 or math.prod(shape) < min_size):
+            out.append(x)
+            continue
+        if dtype_x is None or not jnp.issubdtype(dtype_x, jnp.floating):
+            if as_lora_spec(spec_val) is None:
+                out.append(x)  # integer buffers marked frozen are not weights
+                continue
+        chosen = axis(path_str(path), x) if callable(axis) else axis
+        ax = default if chosen is None else int(chosen)
+        try:
+            check_quantizable(fmt, shape, dtype_x, ax, block_size, double_quant, where)
+        except ValueError:
+            if as_lora_spec(spec_val) is not None:
+                raise
+            # A frozen leaf that does not split into whole blocks (a stacked
+            # `(layers, dim)` norm scale) is not a weight to quantize: it stays dense.
+            out.append(x)
+            continue
+        if as_lora_spec(spec_val) is None and chosen is None and len(shape) == 2 and shape[0] < 32:
+            # A frozen `(n, dim)` leaf with few rows (stacked norm scales, one row per
+            # layer) is a stack of vectors, not a weight: blocks along its leading axis
+            # would mix the layers (and break `lax.scan` over it). It stays dense.
+            out.append(x)
+            continue
+        out.append(QuantizedArray.from_dense(x, qtype, block_size=block_size, axis=ax,
+                                             double_quant=double_quant, dtype=dtype))
+    return jax.tree_util.tree_unflatten(treedef, out)
