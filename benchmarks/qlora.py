@@ -23,7 +23,6 @@ ratio to `dense` paired within each round, medians.
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 import time
 import warnings
@@ -200,10 +199,6 @@ def _impls(model: str) -> tuple[str, ...]:
     return ("dense", *QTYPES, "naive_nf4")
 
 
-def _layer_bytes(model: str, d: int) -> int:
-    return d * d * 4  # one d x d float32 weight
-
-
 class Cell:
     def __init__(self, model: str, d: int):
         self.model, self.d = model, d
@@ -249,7 +244,7 @@ def main(argv: list[str] | None = None) -> Path:
     raw = C.interleaved_rounds(cells, rounds, "qlora", lambda c: dict(cell=c.label), t0)
     rows = []
     for c in cells:
-        lb = _layer_bytes(c.model, c.d)
+        lb = c.d * c.d * 4  # one d x d float32 weight
         for impl in c.runners:
             args_b, temp_b = c.memory[impl]
             ratios = [t / td for t, td in zip(c.times[impl], c.times["dense"])]

@@ -147,12 +147,9 @@ def test_real_gguf_tensors_dequantize_like_gguf():
 
 
 def _lw(q, k=4, seed=1, alpha=2.0):
-    n_m = 1
     kb, ka = jax.random.split(jax.random.PRNGKey(seed))
-    shape = q.shape
-    b = jax.random.normal(kb, (*shape[:-1], k)) * 0.1
-    a = jax.random.normal(ka, (k, *shape[-1:])) * 0.1
-    del n_m
+    b = jax.random.normal(kb, (*q.shape[:-1], k)) * 0.1
+    a = jax.random.normal(ka, (k, *q.shape[-1:])) * 0.1
     return lorax.LoraWeight(q, a=a, b=b, alpha=alpha)
 
 

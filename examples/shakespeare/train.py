@@ -162,7 +162,7 @@ def run_dense_comparison(argv, out_dir):
     dense_out = out_dir / "dense-base"
     cmd = [sys.executable, str(pathlib.Path(__file__).resolve()), *argv, "--dense-base",
            "--no-compare-dense", "--out", str(dense_out)]
-    print(f"\n--- the same job on the dense float32 base (a second process) ---", flush=True)
+    print("\n--- the same job on the dense float32 base (a second process) ---", flush=True)
     subprocess.run(cmd, check=True)
     return json.loads((dense_out / "results.json").read_text())
 
