@@ -5,6 +5,11 @@ from ._engine import (
     LoraMaterializationError as LoraMaterializationError,
     LoraMaterializationWarning as LoraMaterializationWarning,
 )
+from ._formats import (
+    load_peft as load_peft,
+    save_gguf_lora as save_gguf_lora,
+    save_peft as save_peft,
+)
 from ._init import init_lora as init_lora
 from ._layout import infer_layout as infer_layout
 from ._optim import wrap_optimizer as wrap_optimizer
@@ -41,11 +46,14 @@ __all__ = [
     "infer_layout",
     "init_lora",
     "load_adapter",
+    "load_peft",
     "lora",
     "merge_params",
     "partition",
     "quantize",
     "save_adapter",
+    "save_gguf_lora",
+    "save_peft",
     "simple_spec",
     "split_lora_params",
     "summary",

@@ -1,0 +1,71 @@
+"""A LoRA tree's factors as torch-style modules, one per weight (per layer if stacked)."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from typing import Any
+
+import jax
+import numpy as np
+
+from .. import _engine
+from .._adapter import _to_host
+from .._weight import LoraWeight
+from . import _torch
+
+
+@dataclasses.dataclass(frozen=True)
+class Module:
+    """One torch module's adapter: torch-oriented factors and the update's scale."""
+
+    path: str                 # lorax key path, 'a/b/c'
+    layer: tuple[int, ...] | None
+    name: str                 # torch module name
+    kind: str                 # 'linear' | 'embedding' | 'conv'
+    lora_a: np.ndarray        # (r, in) | (r, num) | (r, in, *window)
+    lora_b: np.ndarray        # (out, r) | (dim, r) | (out, r, 1, ...)
+    alpha: float              # the update is (alpha / r) * lora_B @ lora_A
+
+    @property
+    def rank(self) -> int:
+        return int(self.lora_a.shape[0])
+
+
+def lora_leaves(lora_params: Any) -> list[tuple[str, list[str], LoraWeight]]:
+    flat = jax.tree_util.tree_flatten_with_path(lora_params, is_leaf=_engine.is_value)[0]
+    out = []
+    for path, leaf in flat:
+        if isinstance(leaf, LoraWeight):
+            parts = _torch.key_parts(path)
+            out.append(("/".join(parts), parts, leaf))
+    return out
+
+
+def export_modules(fn_name: str, lora_params: Any, module_name: Any, layout: Any,
+                   dtype: Any = None) -> list[Module]:
+    """Every `LoraWeight` in `lora_params` as torch modules (stacked weights: one per layer)."""
+    modules: list[Module] = []
+    seen: dict[str, str] = {}
+    leaves = lora_leaves(lora_params)
+    if not leaves:
+        raise ValueError(f"{fn_name}: lora_params has no LoraWeight leaves: nothing to export.")
+    for path, parts, lw in leaves:
+        n_b, n_m, n_n = lw.structure
+        shape = tuple(lw.shape)
+        lay = _torch.layout_for(fn_name, layout, path, parts, n_m, n_n, shape[n_b:])
+        _torch.check_layout(fn_name, repr(path), lay, n_m, n_n, shape)
+        a, b = _to_host(lw.a), _to_host(lw.b)
+        if dtype is not None:
+            a, b = a.astype(dtype), b.astype(dtype)
+        for layer in itertools.product(*map(range, shape[:n_b])) if n_b else [None]:
+            name = _torch.module_name_for(fn_name, module_name, path, parts, layer, n_b, shape)
+            if name in seen:
+                raise ValueError(f"{fn_name}: {path!r}{'' if layer is None else list(layer)} and "
+                                 f"{seen[name]} both map to module {name!r}.")
+            seen[name] = repr(path) + ("" if layer is None else str(list(layer)))
+            la, lb = (a, b) if layer is None else (a[layer], b[layer])
+            kind, ta, tb = _torch.to_torch(lay, np.asarray(la), np.asarray(lb))
+            modules.append(Module(path, layer, name, kind, np.ascontiguousarray(ta),
+                                  np.ascontiguousarray(tb), float(lw.alpha)))
+    return modules

@@ -1,0 +1,190 @@
+"""llama.cpp's LoRA adapter format: a GGUF file of `<base tensor>.lora_a` / `.lora_b` pairs.
+
+What llama.cpp reads (convert_lora_to_gguf.py, src/llama-adapter.cpp):
+
+- metadata `general.type = "adapter"`, `adapter.type = "lora"`, `adapter.lora.alpha`
+  (f32) and the base's `general.architecture`;
+- for a base tensor `W` of ggml shape `[in, out]` (numpy `(out, in)`): `W.lora_a`
+  numpy `(r, in)` and `W.lora_b` numpy `(out, r)` (PEFT's `lora_A` / `lora_B`); the
+  token embedding (numpy `(vocab, dim)`) flips them: `lora_a (vocab, r)`, `lora_b
+  (dim, r)`, because llama.cpp gathers rows of `lora_a`;
+- one alpha for the whole file: each pair is scaled by `alpha / r` (`r` its own rank);
+- Llama-family q/k weights are stored with each head's rows reordered for
+  llama.cpp's RoPE (`reshape(heads, 2, d/2, in).swapaxes(1, 2)`); the converter
+  reorders `lora_b`'s rows the same way.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import re
+from typing import Any, Literal
+
+import jax
+import numpy as np
+
+from ._export import export_modules
+
+# Architectures whose q/k rows llama.cpp's converter reorders (LlamaModel.permute).
+_QK_PERMUTED = ("llama",)
+_QK = re.compile(r"^blk\.\d+\.attn_(q|k)\.weight$")
+
+
+def _gguf() -> Any:
+    try:
+        import gguf
+    except ImportError:
+        raise ImportError("save_gguf_lora needs the `gguf` package: pip install gguf "
+                          "(or pip install 'jax-lorax[gguf]').") from None
+    return gguf
+
+
+def _permute_rows(rows: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's converter's q/k row order: per head, pairs (i, i + d/2) interleaved."""
+    out = rows.shape[0]
+    return (rows.reshape(n_head, 2, out // n_head // 2, *rows.shape[1:])
+            .swapaxes(1, 2).reshape(rows.shape))
+
+
+def save_gguf_lora(
+    path: str | os.PathLike,
+    lora_params: Any,
+    base: str | os.PathLike,
+    *,
+    module_name: Any = None,
+    layout: Any = None,
+    qk_rows: Literal["hf", "gguf"] | None = None,
+    dtype: Any = np.float32,
+) -> None:
+    """Write the `LoraWeight`s of `lora_params` as a llama.cpp LoRA adapter (GGUF).
+
+    The file loads in llama.cpp (`--lora`, `llama_adapter_lora_init`, the server's
+    `lora` list) on top of the GGUF model `base`. Each `LoraWeight` (each layer of a
+    stacked one) becomes a `<tensor>.lora_a` / `.lora_b` pair for the base tensor it
+    adapts; which base tensor is given by a torch-style module name (as in
+    [`lorax.save_peft`][]: `model.layers.3.self_attn.q_proj`, mapped through the
+    `gguf` package's name table for the base's architecture) or by the GGUF tensor
+    name itself (`blk.3.attn_q.weight`). Every pair is checked against the base
+    tensor's shape. The update is kept exactly: llama.cpp scales every pair by the
+    file's one `alpha / r`, so weights whose alpha differs from the most common one
+    (rsLoRA included: it is in `LoraWeight.alpha`) have the ratio folded into `lora_b`.
+
+    Llama-family GGUF files store q/k rows reordered for llama.cpp's RoPE. `qk_rows`
+    says which order the factors were trained in: `'hf'` (the Hugging Face
+    checkpoint's, as PEFT adapters are: `lora_b`'s rows are reordered as llama.cpp's
+    converter does) or `'gguf'` (trained directly on the GGUF file's rows: written as
+    they are). For such architectures it must be given when q or k is adapted.
+
+    Needs the `gguf` package.
+
+    **Arguments:**
+
+    - `path`: the adapter file to write.
+    - `lora_params`: a LoRA parameter tree.
+    - `base`: the GGUF model file the adapter is for (read for its architecture, head
+      counts and tensor shapes; not modified).
+    - `module_name`: key path -> module or tensor name, as in [`lorax.save_peft`][].
+    - `layout`: which side of each weight is the input, as in [`lorax.save_peft`][].
+    - `qk_rows`: `'hf'` or `'gguf'`, see above.
+    - `dtype`: the adapter tensors' dtype (`np.float32` or `np.float16`).
+
+    **Returns:**
+
+    Nothing.
+
+    **Raises:**
+
+    `ValueError` naming the module when it maps to no tensor of `base`, its factors
+    do not fit that tensor, or `qk_rows` is needed and missing.
+
+    !!! Example
+
+        ```py
+        lorax.save_gguf_lora(
+            "adapter.gguf", lora_params, "SmolLM2-135M-Instruct.Q4_1.gguf",
+            module_name={"layers/q": "model.layers.{layer}.self_attn.q_proj"},
+            qk_rows="hf")
+        ```
+    """
+    gguf = _gguf()
+    if qk_rows not in (None, "hf", "gguf"):
+        raise ValueError(f"save_gguf_lora: qk_rows must be 'hf' or 'gguf', not {qk_rows!r}.")
+    reader = gguf.GGUFReader(os.fspath(base))
+    fields = {name: field for name, field in reader.fields.items()}
+    arch = fields["general.architecture"].contents()
+    shapes = {t.name: tuple(int(n) for n in t.shape) for t in reader.tensors}  # ggml order
+    n_block = int(fields[f"{arch}.block_count"].contents())
+    try:
+        arch_enum = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch)
+        name_map = gguf.get_tensor_name_map(arch_enum, n_block)
+    except StopIteration:
+        name_map = None
+
+    def tensor_of(name: str) -> str:
+        if name in shapes:
+            return name
+        if name + ".weight" in shapes:
+            return name + ".weight"
+        mapped = name_map.get_name(name) if name_map is not None else None
+        if mapped is not None and mapped + ".weight" in shapes:
+            return mapped + ".weight"
+        raise ValueError(
+            f"save_gguf_lora: module {name!r} maps to no tensor of {os.fspath(base)!r} "
+            f"({arch}); expected a torch module name of that architecture or a GGUF tensor "
+            f"name such as {next(iter(shapes))!r}.")
+
+    modules = export_modules("save_gguf_lora", lora_params, module_name, layout, np.float32)
+    alpha = collections.Counter(m.alpha for m in modules).most_common(1)[0][0]
+    n_head = n_head_kv = None
+    if arch in _QK_PERMUTED:
+        n_head = int(fields[f"{arch}.attention.head_count"].contents())
+        kv = fields.get(f"{arch}.attention.head_count_kv")
+        n_head_kv = int(kv.contents()) if kv is not None else n_head
+
+    tensors: dict[str, np.ndarray] = {}
+    for m in modules:
+        if m.kind == "conv":
+            raise ValueError(f"save_gguf_lora: module {m.name!r} is a conv adapter; llama.cpp "
+                             "LoRA adapters are for matmul and embedding weights.")
+        t = tensor_of(m.name)
+        if t in tensors or t + ".lora_a" in tensors:
+            raise ValueError(f"save_gguf_lora: two modules map to tensor {t!r}.")
+        lora_a, lora_b = m.lora_a, m.lora_b * (m.alpha / alpha)
+        ne = shapes[t]
+        if m.kind == "embedding":
+            # (vocab, dim) table, ggml [dim, vocab]; llama.cpp gathers rows of lora_a.
+            want_a, want_b = (ne[1], m.rank), (ne[0], m.rank)
+            lora_a = lora_a.T
+        else:
+            want_a, want_b = (m.rank, ne[0]), (ne[1], m.rank)
+        if (tuple(lora_a.shape), tuple(lora_b.shape)) != (want_a, want_b):
+            raise ValueError(
+                f"save_gguf_lora: module {m.name!r} ({m.path!r}) does not fit {t!r} (ggml "
+                f"shape {list(ne)}): lora_a {tuple(lora_a.shape)}, lora_b {tuple(lora_b.shape)}; "
+                f"expected {want_a} and {want_b}.")
+        qk = _QK.match(t)
+        if qk and n_head is not None:
+            if qk_rows is None:
+                raise ValueError(
+                    f"save_gguf_lora: {os.fspath(base)!r} is a {arch!r} model, whose q/k rows "
+                    f"llama.cpp stores reordered, and module {m.name!r} adapts {t!r}. Say which "
+                    "order the factors were trained in: qk_rows='hf' (the Hugging Face "
+                    "checkpoint's, as PEFT adapters) or qk_rows='gguf' (the GGUF file's rows).")
+            if qk_rows == "hf":
+                lora_b = _permute_rows(lora_b, n_head if qk.group(1) == "q" else n_head_kv)
+        tensors[t + ".lora_a"] = np.ascontiguousarray(lora_a, dtype=dtype)
+        tensors[t + ".lora_b"] = np.ascontiguousarray(lora_b, dtype=dtype)
+
+    if jax.process_index() != 0:
+        return
+    writer = gguf.GGUFWriter(os.fspath(path), arch)
+    writer.add_string("general.type", "adapter")
+    writer.add_string("adapter.type", "lora")
+    writer.add_float32("adapter.lora.alpha", float(alpha))
+    for name, arr in tensors.items():
+        writer.add_tensor(name, arr)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()

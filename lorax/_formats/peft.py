@@ -1,0 +1,470 @@
+"""PEFT's LoRA adapter format: `adapter_config.json` + `adapter_model.safetensors`.
+
+What PEFT writes for `LoraConfig` modules (peft/tuners/lora/layer.py), keyed
+`base_model.model.<module>.<tensor>`:
+
+| torch module | tensors | update of the base weight |
+|---|---|---|
+| `Linear` `(out, in)` | `lora_A.weight (r, in)`, `lora_B.weight (out, r)` | `s · B @ A` |
+| `Embedding` `(num, dim)` | `lora_embedding_A (r, num)`, `lora_embedding_B (dim, r)` | `s · (B @ A).T` |
+| `Conv` `(out, in, *window)` | `lora_A.weight (r, in, *window)`, `lora_B.weight (out, r, 1, ...)` | `s · B ⋆ A` |
+
+with `s = lora_alpha / r`, or `lora_alpha / sqrt(r)` under `use_rslora`, per module
+through `rank_pattern` / `alpha_pattern` (regexes matched against the module name or
+a dotted suffix of it, first match wins).
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import math
+import os
+import re
+from typing import Any
+
+import jax
+import numpy as np
+
+from .. import _engine
+from .._adapter import _array_sharding, _read_safetensors, _write_safetensors
+from .._sharding import factor_shardings, place_host_array
+from .._spec import LORA_FREEZE, LoraSpec
+from .._weight import LoraWeight
+from . import _torch
+from ._export import export_modules
+
+CONFIG_NAME = "adapter_config.json"
+WEIGHTS_NAME = "adapter_model.safetensors"
+_PREFIX = "base_model.model."
+_SUFFIXES = {
+    ".lora_A.weight": ("A", None), ".lora_B.weight": ("B", None),
+    ".lora_embedding_A": ("A", "embedding"), ".lora_embedding_B": ("B", "embedding"),
+}
+# Tensors PEFT writes for features lorax does not read, and what they are.
+_UNREAD_TENSORS = {
+    ".lora_magnitude_vector": "DoRA's magnitude vector (use_dora)",
+    ".lora_magnitude_vector.weight": "DoRA's magnitude vector (use_dora)",
+    ".lora_B.bias": "a bias on lora_B (lora_bias)",
+    ".lora_embedding_B.bias": "a bias on lora_B (lora_bias)",
+}
+# Config entries that change what an adapter means, and lorax's word for each.
+_UNREAD_CONFIG = {
+    "use_dora": "DoRA (use_dora)",
+    "lora_bias": "a trainable bias on lora_B (lora_bias)",
+    "modules_to_save": "fully trained modules (modules_to_save)",
+    "target_parameters": "adapters on bare parameters (target_parameters)",
+    "trainable_token_indices": "trainable token rows (trainable_token_indices)",
+    "layer_replication": "replicated layers (layer_replication)",
+    "alora_invocation_tokens": "activated LoRA (alora_invocation_tokens)",
+}
+# Initialisations that change the base weights: such an adapter is relative to
+# a modified base unless PEFT converted it when saving.
+_BASE_CHANGING_INITS = ("pissa", "olora", "loftq", "corda", "eva")
+
+
+def _most_common(values: list[Any]) -> Any:
+    return collections.Counter(values).most_common(1)[0][0]
+
+
+def _pattern_key(name: str, names: list[str]) -> str:
+    """A PEFT pattern that matches `name` and no other module of the adapter."""
+    for key in (name, re.escape(name), "^" + re.escape(name)):
+        if [n for n in names if _torch.pattern_matches(key, n)] == [name]:
+            return key
+    raise AssertionError(name)  # "^" + escaped always matches exactly itself
+
+
+def save_peft(
+    directory: str | os.PathLike,
+    lora_params: Any,
+    *,
+    base_model_name_or_path: str | None = None,
+    module_name: Any = None,
+    layout: Any = None,
+    task_type: str | None = "CAUSAL_LM",
+    dtype: Any = None,
+) -> None:
+    """Write the `LoraWeight`s of `lora_params` as a PEFT LoRA adapter.
+
+    Writes `adapter_config.json` and `adapter_model.safetensors` into `directory`
+    exactly as PEFT's `save_pretrained` does, so `peft.PeftModel.from_pretrained`,
+    transformers, vLLM and the other PEFT consumers load it. Each `LoraWeight`
+    becomes a torch module (a stacked `(layers, ...)` weight, one per layer):
+    dense weights as `Linear` (multi-axis kernels flattened to torch's 2-D
+    `(out, in)`), lookup tables as `Embedding`, conv kernels as `Conv`. The update
+    is kept exactly: PEFT's `lora_alpha` for a module is the `LoraWeight`'s `alpha`
+    (its scale is `alpha / r` in both), mixed ranks and alphas go to
+    `rank_pattern` / `alpha_pattern`. Fully trained (`LORA_FULL`) leaves are not part
+    of a PEFT LoRA adapter; [`lorax.save_adapter`][] keeps them.
+
+    Sharded factors are gathered to the host; with several processes every
+    process calls `save_peft` and process 0 writes.
+
+    **Arguments:**
+
+    - `directory`: where to write (created if missing).
+    - `lora_params`: a LoRA parameter tree ([`lorax.init_lora`][] and training).
+    - `base_model_name_or_path`: the base model's Hub id or path, recorded in the config.
+    - `module_name`: torch module names. `None`: the key path joined with `.`, without
+      a leading `params` and a trailing `value` / `kernel` / `weight` / `embedding(s)`
+      / `w` (a Hugging Face Flax tree maps onto its torch names). A dict from key path
+      (`'layers/q'`) to name, with `{layer}` for a stacked weight's layer index
+      (`'model.layers.{layer}.self_attn.q_proj'`), or a callable `(path, layer) -> name`
+      (`layer` is `None` for an unstacked weight). A stacked weight needs one of these.
+    - `layout`: which side of each weight is the input: `'in_out'` (`x @ w`, Flax/Haiku
+      kernels), `'out_in'` (torch/Equinox `Linear`), `'embedding'`, `'conv_in_out'`
+      (Flax/Haiku conv), `'conv_out_in'` (torch/Equinox conv). One string for all, a
+      dict by key path, or a callable `path -> layout | None`. `None`: known from the
+      weight's name where it is unambiguous (`kernel` / `w` of a dense layer,
+      `embedding`, a torch-style conv `weight`); otherwise a `ValueError` asks for it.
+    - `task_type`: PEFT's `task_type` (`'CAUSAL_LM'`, `'SEQ_CLS'`, ..., or `None`).
+    - `dtype`: cast the factors to this dtype (default: keep theirs).
+
+    **Returns:**
+
+    Nothing.
+
+    **Raises:**
+
+    `ValueError` naming the key path when a weight's layout or module name cannot be
+    known, or two weights map to one module.
+
+    !!! Example
+
+        ```python
+        import json, tempfile, jax, jax.numpy as jnp
+        import lorax
+
+        params = {"model": {"q_proj": {"kernel": jnp.ones((16, 8))}}}  # Flax (in, out)
+        lp = lorax.init_lora(params, {"model": {"q_proj": {"kernel": 4}}}, jax.random.PRNGKey(0))
+        with tempfile.TemporaryDirectory() as d:
+            lorax.save_peft(d, lp)
+            config = json.load(open(f"{d}/adapter_config.json"))
+            loaded, spec = lorax.load_peft(d, params)
+        assert config["target_modules"] == ["model.q_proj"] and config["r"] == 4
+        assert (loaded["model"]["q_proj"]["kernel"].a == lp["model"]["q_proj"]["kernel"].a).all()
+        ```
+    """
+    modules = export_modules("save_peft", lora_params, module_name, layout, dtype)
+    names = [m.name for m in modules]
+    r = _most_common([m.rank for m in modules])
+    alpha = _most_common([m.alpha for m in modules])
+    rank_pattern = {_pattern_key(m.name, names): m.rank for m in modules if m.rank != r}
+    alpha_pattern = {_pattern_key(m.name, names): m.alpha for m in modules if m.alpha != alpha}
+    tensors: dict[str, np.ndarray] = {}
+    for m in modules:
+        if m.kind == "embedding":
+            tensors[f"{_PREFIX}{m.name}.lora_embedding_A"] = m.lora_a
+            tensors[f"{_PREFIX}{m.name}.lora_embedding_B"] = m.lora_b
+        else:
+            tensors[f"{_PREFIX}{m.name}.lora_A.weight"] = m.lora_a
+            tensors[f"{_PREFIX}{m.name}.lora_B.weight"] = m.lora_b
+
+    def number(x: float) -> float | int:
+        return int(x) if float(x).is_integer() else float(x)
+
+    config = {
+        "peft_type": "LORA",
+        "task_type": task_type,
+        "base_model_name_or_path": base_model_name_or_path,
+        "r": r,
+        "lora_alpha": number(alpha),
+        "target_modules": sorted(names),
+        "rank_pattern": rank_pattern,
+        "alpha_pattern": {k: number(v) for k, v in alpha_pattern.items()},
+        "lora_dropout": 0.0,
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "use_rslora": False,
+        "use_dora": False,
+        "init_lora_weights": True,
+        "inference_mode": True,
+        "modules_to_save": None,
+        "layers_to_transform": None,
+        "layers_pattern": None,
+        "revision": None,
+    }
+    if jax.process_index() == 0:
+        os.makedirs(directory, exist_ok=True)
+        with open(os.path.join(directory, CONFIG_NAME), "w") as f:
+            json.dump(config, f, indent=2, sort_keys=True)
+            f.write("\n")
+        _write_safetensors(os.path.join(directory, WEIGHTS_NAME), tensors, {"format": "pt"})
+
+
+def _read_config(directory: str) -> dict[str, Any]:
+    path = os.path.join(directory, CONFIG_NAME)
+    try:
+        with open(path) as f:
+            config = json.load(f)
+    except FileNotFoundError:
+        raise ValueError(f"load_peft: {path!r} does not exist; expected a PEFT adapter "
+                         f"directory ({CONFIG_NAME} + {WEIGHTS_NAME}).") from None
+    peft_type = str(config.get("peft_type", "")).upper()
+    if peft_type != "LORA":
+        raise ValueError(f"load_peft: {path!r} has peft_type {config.get('peft_type')!r}; "
+                         "lorax reads LoRA adapters (peft_type 'LORA').")
+    for key, what in _UNREAD_CONFIG.items():
+        if config.get(key):
+            raise ValueError(f"load_peft: the adapter uses {what}, which lorax does not read "
+                             f"({key} = {config[key]!r} in {path!r}).")
+    init = config.get("init_lora_weights")
+    if isinstance(init, str) and init.lower().startswith(_BASE_CHANGING_INITS):
+        raise ValueError(
+            f"load_peft: the adapter was initialised with {init!r}, which changes the base "
+            "weights: it fits the modified base, not the original one. Save it from PEFT with "
+            "path_initial_model_for_weight_conversion= to get an adapter for the original base.")
+    return config
+
+
+def _read_modules(directory: str) -> dict[str, dict[str, Any]]:
+    tensors, _ = _read_safetensors(os.path.join(directory, WEIGHTS_NAME))
+    modules: dict[str, dict[str, Any]] = {}
+    for key, arr in tensors.items():
+        for suffix, what in _UNREAD_TENSORS.items():
+            if key.endswith(suffix):
+                module = key[len(_PREFIX):-len(suffix)] if key.startswith(_PREFIX) else key
+                raise ValueError(f"load_peft: module {module!r} has {what} ({key!r}), which "
+                                 "lorax does not read.")
+        for suffix, (side, kind) in _SUFFIXES.items():
+            if key.startswith(_PREFIX) and key.endswith(suffix):
+                name = key[len(_PREFIX):-len(suffix)]
+                entry = modules.setdefault(name, {})
+                entry[side] = arr
+                entry["kind"] = kind or ("linear" if arr.ndim == 2 else "conv")
+                break
+        else:
+            raise ValueError(
+                f"load_peft: tensor {key!r} is not a LoRA factor lorax reads: expected "
+                f"'{_PREFIX}<module>' + one of {sorted(_SUFFIXES)}.")
+    for name, entry in modules.items():
+        if "A" not in entry or "B" not in entry:
+            missing = "lora_B" if "A" in entry else "lora_A"
+            raise ValueError(f"load_peft: module {name!r} has no {missing} tensor.")
+        if entry["A"].shape[0] != entry["B"].shape[1]:
+            raise ValueError(f"load_peft: module {name!r}: lora_A {entry['A'].shape} and lora_B "
+                             f"{entry['B'].shape} have different ranks.")
+    return modules
+
+
+def _scale_of(config: dict[str, Any], name: str, r: int) -> float:
+    alpha_pattern = config.get("alpha_pattern") or {}
+    key = next((k for k in alpha_pattern if _torch.pattern_matches(k, name)), None)
+    alpha = float(alpha_pattern[key] if key is not None else config.get("lora_alpha", 8))
+    return alpha / (math.sqrt(r) if config.get("use_rslora") else r)
+
+
+def _expected_rank(config: dict[str, Any], name: str) -> int | None:
+    rank_pattern = config.get("rank_pattern") or {}
+    key = next((k for k in rank_pattern if _torch.pattern_matches(k, name)), None)
+    r = rank_pattern[key] if key is not None else config.get("r")
+    return None if r is None else int(r)
+
+
+def _load_layout(layout: Any, path: str, parts: list[str], kind: str, name: str) -> str:
+    """The layout of a base weight that a `kind` torch module adapts."""
+    given = None
+    if isinstance(layout, str):
+        given = layout
+    elif isinstance(layout, dict):
+        given = layout.get(path)
+    elif callable(layout):
+        given = layout(path)
+    leaf = _torch.leaf_name(parts)
+    if given is None:
+        if kind == "embedding":
+            given = "embedding"
+        elif leaf in ("kernel", "w"):
+            given = "in_out" if kind == "linear" else "conv_in_out"
+        elif leaf == "weight":
+            given = "out_in" if kind == "linear" else "conv_out_in"
+        else:
+            raise ValueError(
+                f"load_peft: module {name!r} ({kind}) maps to {path!r}, whose layout cannot be "
+                "known from its name; say it with layout={" f"{path!r}: ..." "}, one of "
+                f"{sorted(_torch.LAYOUTS)}.")
+    if given not in _torch.LAYOUTS:
+        raise ValueError(f"load_peft: layout {given!r} for {path!r} is not one of "
+                         f"{sorted(_torch.LAYOUTS)}.")
+    if _torch.kind_of(given) != kind:
+        raise ValueError(f"load_peft: module {name!r} is a {kind} adapter but {path!r} has "
+                         f"layout {given!r} ({_torch.kind_of(given)}).")
+    return given
+
+
+def _candidates(module_name: Any, path: str, parts: list[str], shape: tuple[int, ...],
+                modules: dict[str, Any]) -> tuple[str | None, list[str] | None]:
+    """`(name, None)` for a weight adapted as one module, `(None, per-layer names)` for a
+    stack of per-layer modules, `(None, None)` when the adapter has nothing for it."""
+    if callable(module_name):
+        name = module_name(path, None)
+        if name in modules:
+            return name, None
+        if len(shape) >= 3:
+            names = [module_name(path, i) for i in range(shape[0])]
+            if any(n in modules for n in names):
+                return None, names
+        return None, None
+    if isinstance(module_name, dict) and path in module_name:
+        template = module_name[path]
+        if "{layer}" in template:
+            return None, [template.format(layer=i) for i in range(shape[0])]
+        return (template, None) if template in modules else (None, None)
+    name = _torch.default_module_name(parts)
+    return (name, None) if name in modules else (None, None)
+
+
+def _factors(name: str, entry: dict[str, Any], lay: str, shape: tuple[int, ...],
+             path: str) -> tuple[np.ndarray, np.ndarray, int]:
+    """One module's torch factors as lorax `(a, b, m_ndim)` for an unbatched `shape`."""
+    lora_a, lora_b = entry["A"], entry["B"]
+    r = lora_a.shape[0]
+    # Every split of the weight's axes torch's layout allows; the factors pick one.
+    splits = (list(range(1, len(shape))) if entry["kind"] == "linear"
+              else _torch.fixed_split(lay, shape))
+    expected = [_torch.torch_shapes(entry["kind"], lay, shape, m, r) for m in splits]
+    got = (tuple(lora_a.shape), tuple(lora_b.shape))
+    fits = [m for m, e in zip(splits, expected) if e == got]
+    if len(fits) != 1:
+        want = (" or ".join(f"lora_A {e[0]}, lora_B {e[1]}" for e in expected)
+                or "factors of a 2-D (out, in) split of it")
+        if len(fits) > 1:
+            raise ValueError(
+                f"load_peft: module {name!r}: the factors fit {path!r} (shape {shape}) in "
+                f"{len(fits)} ways; give its factorisation explicitly by loading onto a "
+                "LoRA tree built with that LoraSpec(m_ndim=...).")
+        raise ValueError(
+            f"load_peft: module {name!r} does not fit {path!r} (shape {shape}, layout "
+            f"{lay!r}): the adapter has lora_A {got[0]}, lora_B {got[1]}; expected {want} "
+            "(a different base model?).")
+    m = fits[0]
+    a, b = _torch.from_torch(lay, entry["kind"], lora_a, lora_b, shape, m)
+    return a, b, m
+
+
+def load_peft(
+    directory: str | os.PathLike,
+    params: Any,
+    *,
+    module_name: Any = None,
+    layout: Any = None,
+) -> tuple[Any, Any]:
+    """Put a PEFT LoRA adapter onto a JAX parameter tree.
+
+    Reads `adapter_config.json` + `adapter_model.safetensors` as written by PEFT's
+    `save_pretrained` (or [`lorax.save_peft`][]) and returns `params` with a
+    [`lorax.LoraWeight`][] wherever the adapter has factors: `Linear` modules on
+    dense weights (a multi-axis kernel takes the 2-D factors in the one split of
+    its axes that fits), `Embedding` modules on lookup tables, `Conv` modules on
+    conv kernels, and per-layer modules stacked onto stacked weights (a layer the
+    adapter leaves out gets zero factors, ranks are zero-padded to the largest).
+    `rank_pattern`, `alpha_pattern` and `use_rslora` are honoured; the update is
+    PEFT's `scaling · B @ A` exactly.
+
+    Either everything is applied or an error is raised: a module no parameter maps
+    to, factors that do not fit, or a PEFT feature lorax does not read (DoRA's
+    `lora_magnitude_vector`, `lora_bias`, `modules_to_save`, ...) is a `ValueError`
+    naming the module. `params` is not modified.
+
+    **Arguments:**
+
+    - `directory`: the adapter directory.
+    - `params`: the base model's parameters (arrays, [`lorax.QuantizedArray`][]s, or a
+      LoRA tree whose factors are replaced).
+    - `module_name`: how key paths map to torch module names, as in
+      [`lorax.save_peft`][] (a stacked weight's callable is called with `layer=None`
+      first, then with each layer index).
+    - `layout`: which side of each weight is the input, as in [`lorax.save_peft`][];
+      `None`: from the module kind and the weight's name (`kernel` / `w`: input
+      first; `weight`: torch's `(out, in)`; embeddings: a lookup table).
+
+    **Returns:**
+
+    `(lora_params, spec)`, as [`lorax.load_adapter`][]: base arrays are reused, not
+    copied; the spec has a `LoraSpec` per adapted weight and `LORA_FREEZE` elsewhere.
+
+    !!! Example
+
+        See [`lorax.save_peft`][].
+    """
+    directory = os.fspath(directory)
+    config = _read_config(directory)
+    modules = _read_modules(directory)
+    flat, treedef = jax.tree_util.tree_flatten_with_path(params, is_leaf=_engine.is_value)
+    leaves = [leaf for _, leaf in flat]
+    spec: list[Any] = [LORA_FREEZE] * len(leaves)
+    used: set[str] = set()
+    for i, (key_path, leaf) in enumerate(flat):
+        w = leaf.w if isinstance(leaf, LoraWeight) else leaf
+        shape = tuple(getattr(w, "shape", ()))
+        if len(shape) < 2:
+            continue
+        parts = _torch.key_parts(key_path)
+        path = "/".join(parts)
+        name, layer_names = _candidates(module_name, path, parts, shape, modules)
+        if name is None and layer_names is None:
+            continue
+        found = [name] if name is not None else [n for n in layer_names if n in modules]
+        if not found:
+            raise ValueError(f"load_peft: {path!r} is mapped to per-layer modules like "
+                             f"{layer_names[0]!r}, none of which the adapter has.")
+        kinds = {modules[n]["kind"] for n in found}
+        if len(kinds) > 1:
+            raise ValueError(f"load_peft: the modules {found} of {path!r} are of different "
+                             f"kinds {sorted(kinds)}.")
+        lay = _load_layout(layout, path, parts, kinds.pop(), found[0])
+        per_shape = shape if name is not None else shape[1:]
+        loaded = []
+        for n in found:
+            e = modules[n]
+            r_expected = _expected_rank(config, n)
+            if r_expected is not None and e["A"].shape[0] != r_expected:
+                raise ValueError(f"load_peft: module {n!r} has rank {e['A'].shape[0]} but the "
+                                 f"config says r = {r_expected}.")
+            a, b, m = _factors(n, e, lay, per_shape, path)
+            loaded.append((n, a, b, m, _scale_of(config, n, e["A"].shape[0])))
+            used.add(n)
+        dtype = np.dtype(w.dtype) if jax.numpy.issubdtype(w.dtype, np.floating) else np.float32
+        if name is not None:
+            _, a, b, m, s = loaded[0]
+            n_b, k = 0, a.shape[0]
+            alpha = s * k
+        else:
+            n_b = 1
+            ms = {m for _, _, _, m, _ in loaded}
+            if len(ms) > 1:
+                raise ValueError(f"load_peft: the per-layer modules of {path!r} split its axes "
+                                 f"differently: {sorted(ms)}.")
+            m = ms.pop()
+            k = max(a.shape[0] for _, a, _, _, _ in loaded)
+            s_ref = loaded[0][4]
+            alpha = s_ref * k
+            by_name = {n: (a, b, s) for n, a, b, _, s in loaded}
+            a_stack = np.zeros((shape[0], k, *per_shape[m:]), dtype)
+            b_stack = np.zeros((shape[0], *per_shape[:m], k), dtype)
+            for layer, n in enumerate(layer_names):
+                if n not in by_name:
+                    continue  # PEFT's layers_to_transform: this layer is not adapted
+                la, lb, s = by_name[n]
+                r = la.shape[0]
+                a_stack[layer, :r] = la
+                # One alpha per LoraWeight: a layer's own scale is folded into its b.
+                b_stack[layer, ..., :r] = lb * (s / s_ref)
+            a, b = a_stack, b_stack
+        if isinstance(leaf, LoraWeight):
+            a_sh, b_sh = _array_sharding(leaf.a), _array_sharding(leaf.b)
+        else:
+            a_sh, b_sh = factor_shardings(w, n_b, m) or (None, None)
+        leaves[i] = LoraWeight(w, a=place_host_array(np.asarray(a, dtype), a_sh),
+                               b=place_host_array(np.asarray(b, dtype), b_sh), alpha=float(alpha))
+        spec[i] = LoraSpec(int(k), float(alpha), n_b, m)
+    unused = sorted(set(modules) - used)
+    if unused:
+        names = [_torch.default_module_name(_torch.key_parts(p)) for p, leaf in flat
+                 if len(getattr(leaf, "shape", ())) >= 2][:5]
+        raise ValueError(
+            f"load_peft: the adapter has module(s) {unused[:5]}{' ...' if len(unused) > 5 else ''} "
+            f"that no parameter maps to (a different base model, or module names that differ: "
+            f"the parameters' default names look like {names}; pass module_name=).")
+    return jax.tree_util.tree_unflatten(treedef, leaves), jax.tree_util.tree_unflatten(treedef, spec)
