@@ -37,6 +37,7 @@ from ._export import export_modules
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
 _PREFIX = "base_model.model."
+_BASE_LAYER = ".base_layer.weight"
 _SUFFIXES = {
     ".lora_A.weight": ("A", None), ".lora_B.weight": ("B", None),
     ".lora_embedding_A": ("A", "embedding"), ".lora_embedding_B": ("B", "embedding"),
@@ -227,6 +228,10 @@ def _read_modules(directory: str) -> dict[str, dict[str, Any]]:
                 module = key[len(_PREFIX):-len(suffix)] if key.startswith(_PREFIX) else key
                 raise ValueError(f"load_peft: module {module!r} has {what} ({key!r}), which "
                                  "lorax does not read.")
+        if key.startswith(_PREFIX) and key.endswith(_BASE_LAYER):
+            # PEFT's save_embedding_layers: the base weight itself, saved alongside.
+            modules.setdefault(key[len(_PREFIX):-len(_BASE_LAYER)], {})["base"] = arr
+            continue
         for suffix, (side, kind) in _SUFFIXES.items():
             if key.startswith(_PREFIX) and key.endswith(suffix):
                 name = key[len(_PREFIX):-len(suffix)]
@@ -239,6 +244,9 @@ def _read_modules(directory: str) -> dict[str, dict[str, Any]]:
                 f"load_peft: tensor {key!r} is not a LoRA factor lorax reads: expected "
                 f"'{_PREFIX}<module>' + one of {sorted(_SUFFIXES)}.")
     for name, entry in modules.items():
+        if "A" not in entry and "B" not in entry:
+            raise ValueError(f"load_peft: module {name!r} has a base weight "
+                             f"({_PREFIX}{name}{_BASE_LAYER}) but no LoRA factors.")
         if "A" not in entry or "B" not in entry:
             missing = "lora_B" if "A" in entry else "lora_A"
             raise ValueError(f"load_peft: module {name!r} has no {missing} tensor.")
@@ -343,6 +351,30 @@ def _factors(name: str, entry: dict[str, Any], lay: str, shape: tuple[int, ...],
     return a, b, m
 
 
+def _check_base(name: str, base: np.ndarray, lay: str, w: Any, layer: int | None, m: int,
+                path: str) -> None:
+    """PEFT saves the embedding layers' base weights with the adapter (`save_embedding_layers`,
+    on by default when an embedding is targeted). lorax keeps the given base: that is
+    only right if the saved one is the same (no resized vocabulary, no other base)."""
+    mine = np.asarray(w.dequantize() if hasattr(w, "dequantize") else w)
+    if layer is not None:
+        mine = mine[layer]
+    kind = _torch.kind_of(lay)
+    torch_view = {"in_out": lambda x: x.reshape(int(np.prod(x.shape[:m])), -1).T,
+                  "out_in": lambda x: x.reshape(int(np.prod(x.shape[:m])), -1),
+                  "embedding": lambda x: x,
+                  "conv_in_out": lambda x: np.moveaxis(np.moveaxis(x, -1, 0), -1, 1),
+                  "conv_out_in": lambda x: x}[lay](mine)
+    same = torch_view.shape == base.shape and np.allclose(
+        torch_view, base.astype(torch_view.dtype), rtol=1e-6, atol=1e-6 * float(np.abs(base).max(initial=1)))
+    if not same:
+        raise ValueError(
+            f"load_peft: the adapter carries its own base weight for module {name!r} "
+            f"({kind}, shape {base.shape}; PEFT's save_embedding_layers, e.g. after resizing the "
+            f"vocabulary), and it differs from {path!r}. lorax does not replace base weights: "
+            "load the base model the adapter was trained on.")
+
+
 def load_peft(
     directory: str | os.PathLike,
     params: Any,
@@ -423,6 +455,9 @@ def load_peft(
                 raise ValueError(f"load_peft: module {n!r} has rank {e['A'].shape[0]} but the "
                                  f"config says r = {r_expected}.")
             a, b, m = _factors(n, e, lay, per_shape, path)
+            if "base" in e:
+                _check_base(n, e["base"], lay, w, None if name is not None else
+                            layer_names.index(n), m, path)
             loaded.append((n, a, b, m, _scale_of(config, n, e["A"].shape[0])))
             used.add(n)
         dtype = np.dtype(w.dtype) if jax.numpy.issubdtype(w.dtype, np.floating) else np.float32

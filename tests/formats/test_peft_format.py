@@ -310,3 +310,23 @@ def test_error_two_weights_one_module(tmp_path):
 def test_error_not_an_adapter(tmp_path):
     with pytest.raises(ValueError, match="does not exist; expected a PEFT adapter directory"):
         lorax.load_peft(tmp_path, {"w": jnp.ones((2, 2))})
+
+
+def test_saved_embedding_base_weight_must_be_the_base(tmp_path):
+    """PEFT saves an embedding's base weight with the adapter (save_embedding_layers)."""
+    emb = jax.random.normal(jax.random.PRNGKey(0), (20, 6))
+    params = {"model": {"embed_tokens": {"embedding": emb}}}
+    lp = _nudged(lorax.init_lora(params, {"model": {"embed_tokens": {"embedding": 2}}},
+                                 jax.random.PRNGKey(1)))
+    lorax.save_peft(tmp_path, lp)
+    f = str(tmp_path / "adapter_model.safetensors")
+    tensors = safetensors.numpy.load_file(f)
+    tensors[P + "model.embed_tokens.base_layer.weight"] = np.asarray(emb)
+    safetensors.numpy.save_file(tensors, f)
+    loaded, _ = lorax.load_peft(tmp_path, params)
+    assert loaded["model"]["embed_tokens"]["embedding"].w is emb
+
+    tensors[P + "model.embed_tokens.base_layer.weight"] = np.asarray(emb) + 1
+    safetensors.numpy.save_file(tensors, f)
+    with pytest.raises(ValueError, match=r"its own base weight for module 'model\.embed_tokens'.*differs"):
+        lorax.load_peft(tmp_path, params)
