@@ -76,7 +76,10 @@ def hidden_states(cfg: Config, params, tokens):
 
 
 def logits(cfg: Config, params, tokens):
-    return hidden_states(cfg, params, tokens) @ params["embed"].T
+    """`(B, T, vocab)` logits: the tied embedding, or an untied `(dim, vocab)` `lm_head`
+    if `params` has one (the training loss and `generate` use the tied one)."""
+    h = hidden_states(cfg, params, tokens)
+    return h @ params["lm_head"] if "lm_head" in params else h @ params["embed"].T
 
 
 VOCAB_CHUNKS = 16

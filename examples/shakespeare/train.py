@@ -29,7 +29,7 @@ if __package__ in (None, ""):  # run as a script: make `examples.shakespeare` im
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
 
 import lorax
-from examples.shakespeare import data, gguf_loader, llama
+from examples.shakespeare import data, gguf_loader, llama, serve
 
 TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
 PROMPT = "ROMEO:\nBut, soft! what light through yonder window breaks?\n"
@@ -67,6 +67,8 @@ def parse_args(argv):
     p.add_argument("--full-ft-steps", type=int, default=5,
                    help="on the dense base, after training, time this many full fine-tuning "
                         "steps, each paired with a LoRA step on the same batch (0: skip)")
+    p.add_argument("--no-llamacpp", dest="llamacpp", action="store_false",
+                   help="skip running llama.cpp (xllamacpp) on the exported GGUF adapter")
     p.add_argument("--quick", action="store_true",
                    help="smoke-test settings: 2 steps, seq 32, 2 eval windows, 5-token sample, "
                         "1 paired full fine-tuning step")
@@ -161,7 +163,7 @@ def run_dense_comparison(argv, out_dir):
     """The same job on the dense base, in its own process (so its peak RSS is its own)."""
     dense_out = out_dir / "dense-base"
     cmd = [sys.executable, str(pathlib.Path(__file__).resolve()), *argv, "--dense-base",
-           "--no-compare-dense", "--out", str(dense_out)]
+           "--no-compare-dense", "--no-llamacpp", "--out", str(dense_out)]
     print("\n--- the same job on the dense float32 base (a second process) ---", flush=True)
     subprocess.run(cmd, check=True)
     return json.loads((dense_out / "results.json").read_text())
@@ -351,9 +353,19 @@ def main(argv=None):
     adapter = out_dir / "adapter.safetensors"
     lorax.save_adapter(adapter, lorax.combine(trainable, frozen), spec, metadata={
         "base_model": gguf_loader.GGUF_NAME, "targets": ",".join(args.targets)})
+    # The same adapter for the Hugging Face model (PEFT) and for llama.cpp (GGUF LoRA).
+    exported = serve.export(lorax.combine(trainable, frozen), out_dir)
     curve = out_dir / "loss.png"
     save_loss_curve(losses, ppl_before, ppl_after, curve)
     phase("save")
+    llamacpp = None
+    if args.llamacpp:
+        llamacpp = serve.check_with_llamacpp(
+            cfg, lorax.combine(trainable, frozen), eval_windows, exported["gguf"], PROMPT,
+            args.sample_tokens, args.temperature, args.top_p)
+        print(f"llama.cpp with the GGUF adapter, sample:\n{PROMPT}{llamacpp['sample']}\n")
+        print(serve.report(llamacpp))
+        phase("llama.cpp")
 
     step_time = float(np.median(step_times[1:] or step_times))
     print(f"step time {step_time:.2f} s (median), {args.batch}x{args.seq} tokens per step")
@@ -374,7 +386,8 @@ def main(argv=None):
     # CPU seconds over all threads: alone on 2 cores, wall time lies between this and
     # half of it; a wall time above it means other processes had the cores.
     print(f"CPU time: {sum(cpu_times.values()):.1f}s (train {cpu_times['train']:.1f}s)")
-    print(f"adapter: {adapter}  loss curve: {curve}")
+    print(f"adapter: {adapter}  PEFT: {exported['peft']}  llama.cpp: {exported['gguf']}  "
+          f"loss curve: {curve}")
     result = {
         "base": "q4_1" if quantized else "f32", "base_bytes": counts.base_bytes,
         "ppl_before": ppl_before, "ppl_after": ppl_after, "losses": losses,
@@ -384,7 +397,8 @@ def main(argv=None):
         "full_ft_comparison": step_ratio,
         "times_s": times, "cpu_times_s": cpu_times,
         "sample_before": sample_before, "sample_after": sample_after,
-        "adapter": str(adapter), "loss_curve": str(curve),
+        "adapter": str(adapter), "peft_adapter": exported["peft"],
+        "gguf_adapter": exported["gguf"], "llamacpp": llamacpp, "loss_curve": str(curve),
     }
     (out_dir / "results.json").write_text(json.dumps(result, indent=1))
     if quantized and args.compare_dense:

@@ -1,0 +1,121 @@
+"""The trained adapter, out of JAX: PEFT for the Hugging Face model, a GGUF LoRA for the
+GGUF file it trained on, and llama.cpp itself running that GGUF LoRA.
+
+llama.cpp's next-token distribution with the adapter is compared with lorax's on
+held-out text. llama.cpp quantises the activations in its Q4_1 matmuls (to Q8_1), so
+the two never agree exactly even on the base model: the base's own gap is measured
+first, and the adapter's gap is read against it.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.metadata
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import lorax
+
+from . import gguf_loader, llama
+
+HF_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
+# llama.py's stacked (layers, in, out) kernels -> the Hugging Face model's torch modules.
+HF_MODULES = {
+    "layers/q": "model.layers.{layer}.self_attn.q_proj",
+    "layers/k": "model.layers.{layer}.self_attn.k_proj",
+    "layers/v": "model.layers.{layer}.self_attn.v_proj",
+    "layers/o": "model.layers.{layer}.self_attn.o_proj",
+    "layers/gate": "model.layers.{layer}.mlp.gate_proj",
+    "layers/up": "model.layers.{layer}.mlp.up_proj",
+    "layers/down": "model.layers.{layer}.mlp.down_proj",
+}
+# Held-out positions for the llama.cpp comparison: prefixes of this many tokens.
+PREFIX_LENGTHS = (16, 48, 80, 112)
+
+
+def export(lora_params, out_dir: pathlib.Path) -> dict[str, str]:
+    """Write the adapter as PEFT (for `HF_MODEL`) and as a GGUF LoRA (for the GGUF file).
+
+    llama.py's kernels are `x @ w` (`layout="in_out"`) and its q/k rows are in the
+    Hugging Face order (gguf_loader reorders the GGUF's rows back), so the GGUF writer
+    reorders `lora_b`'s q/k rows as llama.cpp's converter does (`qk_rows="hf"`)."""
+    peft_dir = out_dir / "peft"
+    lorax.save_peft(peft_dir, lora_params, base_model_name_or_path=HF_MODEL,
+                    module_name=HF_MODULES, layout="in_out")
+    gguf_adapter = out_dir / "adapter.gguf"
+    lorax.save_gguf_lora(gguf_adapter, lora_params, gguf_loader.default_gguf_path(),
+                         module_name=HF_MODULES, layout="in_out", qk_rows="hf")
+    return {"peft": str(peft_dir), "gguf": str(gguf_adapter)}
+
+
+def held_out_prompts(eval_windows, n_windows: int = 8) -> tuple[np.ndarray, list[tuple[int, int]]]:
+    """`(windows, positions)`: held-out token windows and `(window, prefix length)` pairs."""
+    windows = np.asarray(eval_windows)[:n_windows]
+    lengths = [n for n in PREFIX_LENGTHS if n <= windows.shape[1]] or [windows.shape[1]]
+    return windows[:, :max(lengths)], [(i, n) for i in range(len(windows)) for n in lengths]
+
+
+def lorax_logprobs(cfg, params, windows, positions) -> list[np.ndarray]:
+    """lorax's next-token log-probabilities after each prefix: one causal forward over
+    the windows gives every prefix's next-token distribution."""
+    logits = jax.jit(lorax.lora(functools.partial(llama.logits, cfg)))(params, jnp.asarray(windows))
+    logp = np.asarray(jax.nn.log_softmax(logits, axis=-1))
+    return [logp[i, n - 1] for i, n in positions]
+
+
+def agreement(ours: list[np.ndarray], theirs: list[dict[int, float]]) -> dict[str, float]:
+    """Top-1 agreement and |Δ log-prob| over llama.cpp's top-5 tokens at each position."""
+    top1 = [int(np.argmax(o)) == next(iter(t)) for o, t in zip(ours, theirs)]
+    deltas = [abs(float(o[tok]) - lp) for o, t in zip(ours, theirs) for tok, lp in t.items()]
+    return {"positions": len(ours), "top1_agreement": float(np.mean(top1)),
+            "mean_abs_dlogprob": float(np.mean(deltas)), "max_abs_dlogprob": float(np.max(deltas))}
+
+
+def shift(a: list[dict[int, float]], b: list[dict[int, float]]) -> float:
+    """Mean |Δ log-prob| between two llama.cpp runs, over the tokens both list."""
+    d = [abs(a_i[t] - b_i[t]) for a_i, b_i in zip(a, b) for t in a_i.keys() & b_i.keys()]
+    return float(np.mean(d))
+
+
+def check_with_llamacpp(cfg, lora_params, eval_windows, gguf_adapter: str, prompt: str,
+                        n_sample: int, temperature: float, top_p: float) -> dict:
+    """Run llama.cpp on the GGUF base with and without the adapter; compare with lorax."""
+    from . import llamacpp
+
+    base_gguf = gguf_loader.default_gguf_path()
+    windows, positions = held_out_prompts(eval_windows)
+    prompts = [windows[i, :n].tolist() for i, n in positions]
+    base_params = jax.tree.map(lambda x: x.w if isinstance(x, lorax.LoraWeight) else x,
+                               lora_params, is_leaf=lambda x: isinstance(x, lorax.LoraWeight))
+    ours_base = lorax_logprobs(cfg, base_params, windows, positions)
+    ours_tuned = lorax_logprobs(cfg, lora_params, windows, positions)
+    cpp_base = llamacpp.next_token_logprobs(base_gguf, prompts)
+    cpp_tuned = llamacpp.next_token_logprobs(base_gguf, prompts, lora=[(gguf_adapter, 1.0)])
+    result = {
+        "xllamacpp": importlib.metadata.version("xllamacpp"),
+        "base": agreement(ours_base, cpp_base),
+        "adapter": agreement(ours_tuned, cpp_tuned),
+        # How far the adapter moves llama.cpp's distribution: the scale the gaps above
+        # are read against.
+        "adapter_shift": shift(cpp_base, cpp_tuned),
+        "untuned_lorax_vs_tuned_llamacpp": agreement(ours_base, cpp_tuned),
+    }
+    result["sample"] = llamacpp.sample(base_gguf, prompt, lora=[(gguf_adapter, 1.0)],
+                                       n_predict=n_sample, temperature=temperature, top_p=top_p)
+    return result
+
+
+def report(r: dict) -> str:
+    b, a, u = r["base"], r["adapter"], r["untuned_lorax_vs_tuned_llamacpp"]
+    return (
+        f"llama.cpp (xllamacpp {r['xllamacpp']}) vs lorax, next token at {a['positions']} "
+        "held-out positions (|Δ log-prob| over llama.cpp's top 5):\n"
+        f"  base model:        top-1 agreement {b['top1_agreement']:.0%}, mean |Δ| "
+        f"{b['mean_abs_dlogprob']:.4f}, max {b['max_abs_dlogprob']:.4f}\n"
+        f"  with the adapter:  top-1 agreement {a['top1_agreement']:.0%}, mean |Δ| "
+        f"{a['mean_abs_dlogprob']:.4f}, max {a['max_abs_dlogprob']:.4f}\n"
+        f"  (the adapter moves llama.cpp's log-probs by {r['adapter_shift']:.4f} on average; "
+        f"untuned lorax vs tuned llama.cpp: mean |Δ| {u['mean_abs_dlogprob']:.4f})")
