@@ -44,7 +44,7 @@ def export(lora_params, out_dir: pathlib.Path) -> dict[str, str]:
     reorders `lora_b`'s q/k rows as llama.cpp's converter does (`qk_rows="hf"`)."""
     peft_dir = out_dir / "peft"
     lorax.save_peft(peft_dir, lora_params, base_model_name_or_path=HF_MODEL,
-                    module_name=HF_MODULES, layout="in_out")
+                    module_name=HF_MODULES, layout="in_out", task_type="CAUSAL_LM")
     gguf_adapter = out_dir / "adapter.gguf"
     lorax.save_gguf_lora(gguf_adapter, lora_params, gguf_loader.default_gguf_path(),
                          module_name=HF_MODULES, layout="in_out", qk_rows="hf")

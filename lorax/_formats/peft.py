@@ -83,7 +83,7 @@ def save_peft(
     base_model_name_or_path: str | None = None,
     module_name: Any = None,
     layout: Any = None,
-    task_type: str | None = "CAUSAL_LM",
+    task_type: str | None = None,
     dtype: Any = None,
 ) -> None:
     """Write the `LoraWeight`s of `lora_params` as a PEFT LoRA adapter.
@@ -119,7 +119,9 @@ def save_peft(
       dict by key path, or a callable `path -> layout | None`. `None`: known from the
       weight's name where it is unambiguous (`kernel` / `w` of a dense layer,
       `embedding`, a torch-style conv `weight`); otherwise a `ValueError` asks for it.
-    - `task_type`: PEFT's `task_type` (`'CAUSAL_LM'`, `'SEQ_CLS'`, ..., or `None`).
+    - `task_type`: PEFT's `task_type`: `'CAUSAL_LM'` for a language model served with
+      transformers' `generate` / vLLM, `'SEQ_CLS'`, ...; `None` (a plain `PeftModel`,
+      for any torch module).
     - `dtype`: cast the factors to this dtype (default: keep theirs).
 
     **Returns:**
@@ -186,6 +188,8 @@ def save_peft(
         "layers_pattern": None,
         "revision": None,
     }
+    # Sorted, so the file's bytes do not depend on the parameter tree's order.
+    tensors = dict(sorted(tensors.items()))
     if jax.process_index() == 0:
         os.makedirs(directory, exist_ok=True)
         with open(os.path.join(directory, CONFIG_NAME), "w") as f:
