@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import functools
 import importlib.metadata
+import os
 import pathlib
+import tempfile
 
 import jax
 import jax.numpy as jnp
@@ -94,10 +96,20 @@ def check_with_llamacpp(cfg, lora_params, eval_windows, gguf_adapter: str, promp
     ours_tuned = lorax_logprobs(cfg, lora_params, windows, positions)
     cpp_base = llamacpp.next_token_logprobs(base_gguf, prompts)
     cpp_tuned = llamacpp.next_token_logprobs(base_gguf, prompts, lora=[(gguf_adapter, 1.0)])
+    # The same adapter on an F32 copy of the GGUF, float32 attention: llama.cpp rounds
+    # nothing there, so this is the adapter's own agreement (a temporary 540 MB file).
+    with tempfile.TemporaryDirectory() as tmp:
+        f32 = os.path.join(tmp, "f32.gguf")
+        llamacpp.write_f32_copy(base_gguf, f32)
+        cpp_f32_base = llamacpp.next_token_logprobs(f32, prompts, f32_attention=True)
+        cpp_f32_tuned = llamacpp.next_token_logprobs(f32, prompts, lora=[(gguf_adapter, 1.0)],
+                                                     f32_attention=True)
     result = {
         "xllamacpp": importlib.metadata.version("xllamacpp"),
         "base": agreement(ours_base, cpp_base),
         "adapter": agreement(ours_tuned, cpp_tuned),
+        "f32_base": agreement(ours_base, cpp_f32_base),
+        "f32_adapter": agreement(ours_tuned, cpp_f32_tuned),
         # How far the adapter moves llama.cpp's distribution: the scale the gaps above
         # are read against.
         "adapter_shift": shift(cpp_base, cpp_tuned),
@@ -109,13 +121,19 @@ def check_with_llamacpp(cfg, lora_params, eval_windows, gguf_adapter: str, promp
 
 
 def report(r: dict) -> str:
-    b, a, u = r["base"], r["adapter"], r["untuned_lorax_vs_tuned_llamacpp"]
+    u = r["untuned_lorax_vs_tuned_llamacpp"]
+
+    def line(name, g):
+        return (f"  {name:34s} top-1 agreement {g['top1_agreement']:4.0%}, mean |Δ| "
+                f"{g['mean_abs_dlogprob']:.4f}, max {g['max_abs_dlogprob']:.4f}\n")
+
     return (
-        f"llama.cpp (xllamacpp {r['xllamacpp']}) vs lorax, next token at {a['positions']} "
-        "held-out positions (|Δ log-prob| over llama.cpp's top 5):\n"
-        f"  base model:        top-1 agreement {b['top1_agreement']:.0%}, mean |Δ| "
-        f"{b['mean_abs_dlogprob']:.4f}, max {b['max_abs_dlogprob']:.4f}\n"
-        f"  with the adapter:  top-1 agreement {a['top1_agreement']:.0%}, mean |Δ| "
-        f"{a['mean_abs_dlogprob']:.4f}, max {a['max_abs_dlogprob']:.4f}\n"
+        f"llama.cpp (xllamacpp {r['xllamacpp']}) vs lorax, next token at "
+        f"{r['adapter']['positions']} held-out positions (|Δ log-prob| over llama.cpp's top 5):\n"
+        + line("Q4_1 GGUF, base model:", r["base"])
+        + line("Q4_1 GGUF, with the adapter:", r["adapter"])
+        + line("F32 copy, base model:", r["f32_base"])
+        + line("F32 copy, with the adapter:", r["f32_adapter"])
+        + "  (llama.cpp rounds activations to 8 bits in its Q4_1 matmuls, not on the F32 copy)\n"
         f"  (the adapter moves llama.cpp's log-probs by {r['adapter_shift']:.4f} on average; "
         f"untuned lorax vs tuned llama.cpp: mean |Δ| {u['mean_abs_dlogprob']:.4f})")

@@ -63,6 +63,18 @@ def test_quick_run(train_module, tmp_path):
     assert meta["format"] == "lorax-adapter/1" and meta["targets"] == "q,k,v,o,gate,up,down"
     assert q_b.shape == (30, 576, 8)  # per-layer factors of the stacked (30, in, out) kernel
     assert np.abs(q_b).max() > 0  # trained away from its zero init
+    # The same adapter for the Hugging Face model (PEFT) and for llama.cpp, which ran it.
+    import json
+
+    config = json.loads((pathlib.Path(res["peft_adapter"]) / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert len(config["target_modules"]) == 30 * 7 and config["r"] == 8
+    assert "model.layers.29.mlp.down_proj" in config["target_modules"]
+    assert pathlib.Path(res["gguf_adapter"]).read_bytes()[:4] == b"GGUF"
+    cpp = res["llamacpp"]
+    if importlib.util.find_spec("xllamacpp") is not None:
+        assert isinstance(cpp["sample"], str) and cpp["adapter"]["positions"] == 2
+        assert cpp["base"]["mean_abs_dlogprob"] < 0.5 and cpp["adapter"]["mean_abs_dlogprob"] < 0.5
     png = pathlib.Path(res["loss_curve"])
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
