@@ -53,19 +53,34 @@ def export_modules(fn_name: str, lora_params: Any, module_name: Any, layout: Any
     for path, parts, lw in leaves:
         n_b, n_m, n_n = lw.structure
         shape = tuple(lw.shape)
-        lay = _torch.layout_for(fn_name, layout, path, parts, n_m, n_n, shape[n_b:])
-        _torch.check_layout(fn_name, repr(path), lay, n_m, n_n, shape)
+        given = _torch.given_layout(layout, path, parts)
+        if isinstance(given, (tuple, list)):  # one layout per module of a tied weight
+            lays = list(given)
+            for lay in lays:
+                if lay not in _torch.LAYOUTS:
+                    raise ValueError(f"{fn_name}: layout {lay!r} for {path!r} is not one of "
+                                     f"{sorted(_torch.LAYOUTS)}.")
+        else:
+            lays = [_torch.layout_for(fn_name, layout, path, parts, n_m, n_n, shape[n_b:])]
+        for lay in lays:
+            _torch.check_layout(fn_name, repr(path), lay, n_m, n_n, shape)
         a, b = _to_host(lw.a), _to_host(lw.b)
         if dtype is not None:
             a, b = a.astype(dtype), b.astype(dtype)
         for layer in itertools.product(*map(range, shape[:n_b])) if n_b else [None]:
-            name = _torch.module_name_for(fn_name, module_name, path, parts, layer, n_b, shape)
-            if name in seen:
-                raise ValueError(f"{fn_name}: {path!r}{'' if layer is None else list(layer)} and "
-                                 f"{seen[name]} both map to module {name!r}.")
-            seen[name] = repr(path) + ("" if layer is None else str(list(layer)))
+            names = _torch.module_name_for(fn_name, module_name, path, parts, layer, n_b, shape)
+            if len(lays) == 1:
+                lays = lays * len(names)
+            if len(lays) != len(names):
+                raise ValueError(f"{fn_name}: {path!r} maps to {len(names)} modules {names} "
+                                 f"but has {len(lays)} layouts {tuple(lays)}.")
             la, lb = (a, b) if layer is None else (a[layer], b[layer])
-            kind, ta, tb = _torch.to_torch(lay, np.asarray(la), np.asarray(lb))
-            modules.append(Module(path, layer, name, kind, np.ascontiguousarray(ta),
-                                  np.ascontiguousarray(tb), float(lw.alpha)))
+            for name, lay in zip(names, lays):
+                if name in seen:
+                    raise ValueError(f"{fn_name}: {path!r}{'' if layer is None else list(layer)} "
+                                     f"and {seen[name]} both map to module {name!r}.")
+                seen[name] = repr(path) + ("" if layer is None else str(list(layer)))
+                kind, ta, tb = _torch.to_torch(lay, np.asarray(la), np.asarray(lb))
+                modules.append(Module(path, layer, name, kind, np.ascontiguousarray(ta),
+                                      np.ascontiguousarray(tb), float(lw.alpha)))
     return modules

@@ -77,27 +77,35 @@ def default_module_name(parts: list[str]) -> str:
 NameFn = Callable[[str, Any], str] | Mapping[str, str] | None
 
 
-def module_name_for(fn_name: str, module_name: NameFn, path: str, parts: list[str],
-                    layer: Any, n_batch: int, shape: tuple[int, ...]) -> str:
-    """The module name of one (per-layer slice of a) weight.
+def as_names(value: Any) -> tuple[Any, ...]:
+    """A name, or several for a weight used by several modules (a tied embedding)."""
+    return tuple(value) if isinstance(value, (tuple, list)) else (value,)
 
-    `module_name` is `None` (default names), a callable `(path, layer) -> str`, or a
+
+def module_name_for(fn_name: str, module_name: NameFn, path: str, parts: list[str],
+                    layer: Any, n_batch: int, shape: tuple[int, ...]) -> tuple[str, ...]:
+    """The module name(s) of one (per-layer slice of a) weight.
+
+    `module_name` is `None` (default names), a callable `(path, layer) -> name`, or a
     dict from key path (`'layers/q'`) to a name, where `{layer}` stands for the
     layer index of a stacked weight. A stacked weight has no default name: how its
-    layers are numbered in torch's module tree cannot be known from the path.
+    layers are numbered in torch's module tree cannot be known from the path. A
+    tuple of names is a weight used by several torch modules (a tied embedding is
+    torch's input embedding and its output layer).
     """
     if layer is not None and len(layer) == 1:
         layer = layer[0]
     if callable(module_name):
-        name = module_name(path, layer)
+        names = as_names(module_name(path, layer))
     elif isinstance(module_name, Mapping) and path in module_name:
-        name = module_name[path]
+        names = as_names(module_name[path])
         if n_batch:
-            if "{layer}" not in name:
-                raise ValueError(
-                    f"{fn_name}: {path!r} (shape {shape}) stacks {n_batch} batch axis(es) of "
-                    f"per-layer weights, but its module name {name!r} has no '{{layer}}'.")
-            name = name.format(layer=layer)
+            for name in names:
+                if "{layer}" not in str(name):
+                    raise ValueError(
+                        f"{fn_name}: {path!r} (shape {shape}) stacks {n_batch} batch axis(es) "
+                        f"of per-layer weights, but its module name {name!r} has no '{{layer}}'.")
+            names = tuple(name.format(layer=layer) for name in names)
     elif n_batch:
         raise ValueError(
             f"{fn_name}: {path!r} (shape {shape}) is a stack of per-layer weights; each layer "
@@ -105,24 +113,33 @@ def module_name_for(fn_name: str, module_name: NameFn, path: str, parts: list[st
             "module_name={" f"{path!r}: 'model.layers.{{layer}}.<module>'" "} or a callable "
             "module_name(path, layer) -> str.")
     else:
-        name = default_module_name(parts)
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"{fn_name}: module_name gave {name!r} for {path!r}; expected a "
-                         "non-empty string.")
-    return name
+        names = (default_module_name(parts),)
+    for name in names:
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"{fn_name}: module_name gave {name!r} for {path!r}; expected a "
+                             "non-empty string (or a tuple of them).")
+    return names
+
+
+def given_layout(layout: Any, path: str, parts: list[str]) -> str | None:
+    """The layout the caller gave for one weight: one string for all, a dict by key path
+    (`'params/conv/kernel'`) or by default module name (`'conv'`), or a callable of the
+    key path; `None` if not given."""
+    if isinstance(layout, str):
+        return layout
+    if isinstance(layout, Mapping):
+        given = layout.get(path)
+        return layout.get(default_module_name(parts)) if given is None else given
+    if callable(layout):
+        return layout(path)
+    return None
 
 
 def layout_for(fn_name: str, layout: Any, path: str, parts: list[str], n_m: int,
                n_n: int, shape: tuple[int, ...]) -> str:
-    """The layout of one weight: given (`str`, dict by key path, callable), or known
-    from the framework's name for it where that is unambiguous."""
-    given = None
-    if isinstance(layout, str):
-        given = layout
-    elif isinstance(layout, Mapping):
-        given = layout.get(path)
-    elif callable(layout):
-        given = layout(path)
+    """The layout of one weight: given (see `given_layout`), or known from the
+    framework's name for it where that is unambiguous."""
+    given = given_layout(layout, path, parts)
     if given is not None:
         if given not in LAYOUTS:
             raise ValueError(f"{fn_name}: layout {given!r} for {path!r} is not one of "

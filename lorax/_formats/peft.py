@@ -113,10 +113,15 @@ def save_peft(
       (`'layers/q'`) to name, with `{layer}` for a stacked weight's layer index
       (`'model.layers.{layer}.self_attn.q_proj'`), or a callable `(path, layer) -> name`
       (`layer` is `None` for an unstacked weight). A stacked weight needs one of these.
+      A tuple of names is a weight several torch modules use, each getting the same
+      update: a tied embedding is `('model.embed_tokens', 'lm_head')`, with the layouts
+      `('embedding', 'out_in')`.
     - `layout`: which side of each weight is the input: `'in_out'` (`x @ w`, Flax/Haiku
       kernels), `'out_in'` (torch/Equinox `Linear`), `'embedding'`, `'conv_in_out'`
       (Flax/Haiku conv), `'conv_out_in'` (torch/Equinox conv). One string for all, a
-      dict by key path, or a callable `path -> layout | None`. `None`: known from the
+      dict by key path (`'params/conv/kernel'`) or by default module name (`'conv'`),
+      or a callable `path -> layout | None` (a tuple, one per module, for a weight
+      with several module names). `None`: known from the
       weight's name where it is unambiguous (`kernel` / `w` of a dense layer,
       `embedding`, a torch-style conv `weight`); otherwise a `ValueError` asks for it.
     - `task_type`: PEFT's `task_type`: `'CAUSAL_LM'` for a language model served with
@@ -274,15 +279,9 @@ def _expected_rank(config: dict[str, Any], name: str) -> int | None:
     return None if r is None else int(r)
 
 
-def _load_layout(layout: Any, path: str, parts: list[str], kind: str, name: str) -> str:
-    """The layout of a base weight that a `kind` torch module adapts."""
-    given = None
-    if isinstance(layout, str):
-        given = layout
-    elif isinstance(layout, dict):
-        given = layout.get(path)
-    elif callable(layout):
-        given = layout(path)
+def _load_layout(given: str | None, path: str, parts: list[str], kind: str, name: str) -> str:
+    """The layout of a base weight that a `kind` torch module adapts (`given`, or
+    known from the module kind and the weight's name)."""
     leaf = _torch.leaf_name(parts)
     if given is None:
         if kind == "embedding":
@@ -305,31 +304,53 @@ def _load_layout(layout: Any, path: str, parts: list[str], kind: str, name: str)
     return given
 
 
-def _candidates(module_name: Any, path: str, parts: list[str], shape: tuple[int, ...],
-                modules: dict[str, Any]) -> tuple[str | None, list[str] | None]:
-    """`(name, None)` for a weight adapted as one module, `(None, per-layer names)` for a
-    stack of per-layer modules, `(None, None)` when the adapter has nothing for it."""
+def _groups(module_name: Any, path: str, parts: list[str], shape: tuple[int, ...],
+            modules: dict[str, Any]) -> tuple[list[tuple[str, ...]] | None, bool]:
+    """`(groups, stacked)`: the module names of a weight (one group, or one per layer of a
+    stacked weight; a group has several names for a weight several modules use), or
+    `(None, False)` when the adapter has nothing for it."""
+    def has(group: tuple[str, ...]) -> bool:
+        return any(n in modules for n in group)
+
     if callable(module_name):
-        name = module_name(path, None)
-        if name in modules:
-            return name, None
+        group = _torch.as_names(module_name(path, None))
+        if has(group):
+            return [group], False
         if len(shape) >= 3:
-            names = [module_name(path, i) for i in range(shape[0])]
-            if any(n in modules for n in names):
-                return None, names
-        return None, None
+            groups = [_torch.as_names(module_name(path, i)) for i in range(shape[0])]
+            if any(map(has, groups)):
+                return groups, True
+        return None, False
     if isinstance(module_name, dict) and path in module_name:
-        template = module_name[path]
-        if "{layer}" in template:
-            return None, [template.format(layer=i) for i in range(shape[0])]
-        return (template, None) if template in modules else (None, None)
+        templates = _torch.as_names(module_name[path])
+        if any("{layer}" in t for t in templates):
+            groups = [tuple(t.format(layer=i) for t in templates) for i in range(shape[0])]
+            return (groups, True) if any(map(has, groups)) else (None, False)
+        return ([templates], False) if has(templates) else (None, False)
     name = _torch.default_module_name(parts)
-    return (name, None) if name in modules else (None, None)
+    return ([(name,)], False) if name in modules else (None, False)
+
+
+def _same_update(x: tuple[np.ndarray, np.ndarray, float], y: tuple[np.ndarray, np.ndarray, float],
+                 m: int) -> bool:
+    """Whether `s·b@a` is the same for two factorisations, probed with a few random
+    vectors (never forming the update)."""
+    (a1, b1, s1), (a2, b2, s2) = x, y
+    n_shape = a1.shape[1:]
+    probe = np.random.default_rng(0).standard_normal((*n_shape, 4)).astype(np.float64)
+    axes = (list(range(1, a1.ndim)), list(range(len(n_shape))))
+
+    def apply(a, b, s):
+        return s * np.tensordot(b.astype(np.float64), np.tensordot(a.astype(np.float64), probe, axes), 1)
+
+    u, v = apply(a1, b1, s1), apply(a2, b2, s2)
+    return bool(np.allclose(u, v, rtol=1e-5, atol=1e-6 * max(1.0, float(np.abs(u).max(initial=0)))))
 
 
 def _factors(name: str, entry: dict[str, Any], lay: str, shape: tuple[int, ...],
-             path: str) -> tuple[np.ndarray, np.ndarray, int]:
-    """One module's torch factors as lorax `(a, b, m_ndim)` for an unbatched `shape`."""
+             path: str, m_hint: int | None = None) -> tuple[np.ndarray, np.ndarray, int]:
+    """One module's torch factors as lorax `(a, b, m_ndim)` for an unbatched `shape`
+    (`m_hint`: the split of a `LoraWeight` already there)."""
     lora_a, lora_b = entry["A"], entry["B"]
     r = lora_a.shape[0]
     # Every split of the weight's axes torch's layout allows; the factors pick one.
@@ -337,6 +358,9 @@ def _factors(name: str, entry: dict[str, Any], lay: str, shape: tuple[int, ...],
               else _torch.fixed_split(lay, shape))
     expected = [_torch.torch_shapes(entry["kind"], lay, shape, m, r) for m in splits]
     got = (tuple(lora_a.shape), tuple(lora_b.shape))
+    if m_hint is not None:
+        expected = [e for m, e in zip(splits, expected) if m == m_hint]
+        splits = [m_hint] if expected else []
     fits = [m for m, e in zip(splits, expected) if e == got]
     if len(fits) != 1:
         want = (" or ".join(f"lora_A {e[0]}, lora_B {e[1]}" for e in expected)
@@ -344,8 +368,8 @@ def _factors(name: str, entry: dict[str, Any], lay: str, shape: tuple[int, ...],
         if len(fits) > 1:
             raise ValueError(
                 f"load_peft: module {name!r}: the factors fit {path!r} (shape {shape}) in "
-                f"{len(fits)} ways; give its factorisation explicitly by loading onto a "
-                "LoRA tree built with that LoraSpec(m_ndim=...).")
+                f"{len(fits)} ways (m_ndim {fits}); load it onto a LoRA tree built with the "
+                "factorisation you want (lorax.init_lora with LoraSpec(m_ndim=...)).")
         raise ValueError(
             f"load_peft: module {name!r} does not fit {path!r} (shape {shape}, layout "
             f"{lay!r}): the adapter has lora_A {got[0]}, lora_B {got[1]}; expected {want} "
@@ -438,58 +462,75 @@ def load_peft(
             continue
         parts = _torch.key_parts(key_path)
         path = "/".join(parts)
-        name, layer_names = _candidates(module_name, path, parts, shape, modules)
-        if name is None and layer_names is None:
+        groups, stacked = _groups(module_name, path, parts, shape, modules)
+        if groups is None:
             continue
-        found = [name] if name is not None else [n for n in layer_names if n in modules]
-        if not found:
-            raise ValueError(f"load_peft: {path!r} is mapped to per-layer modules like "
-                             f"{layer_names[0]!r}, none of which the adapter has.")
-        kinds = {modules[n]["kind"] for n in found}
-        if len(kinds) > 1:
-            raise ValueError(f"load_peft: the modules {found} of {path!r} are of different "
-                             f"kinds {sorted(kinds)}.")
-        lay = _load_layout(layout, path, parts, kinds.pop(), found[0])
-        per_shape = shape if name is not None else shape[1:]
-        loaded = []
-        for n in found:
-            e = modules[n]
-            r_expected = _expected_rank(config, n)
-            if r_expected is not None and e["A"].shape[0] != r_expected:
-                raise ValueError(f"load_peft: module {n!r} has rank {e['A'].shape[0]} but the "
-                                 f"config says r = {r_expected}.")
-            a, b, m = _factors(n, e, lay, per_shape, path)
-            if "base" in e:
-                _check_base(n, e["base"], lay, w, None if name is not None else
-                            layer_names.index(n), m, path)
-            loaded.append((n, a, b, m, _scale_of(config, n, e["A"].shape[0])))
-            used.add(n)
+        given = _torch.given_layout(layout, path, parts)
+        givens = list(given) if isinstance(given, (tuple, list)) else [given] * len(groups[0])
+        if len(givens) != len(groups[0]):
+            raise ValueError(f"load_peft: {path!r} maps to {len(groups[0])} modules "
+                             f"{groups[0]} but has {len(givens)} layouts {tuple(givens)}.")
+        per_shape = shape[1:] if stacked else shape
+        m_hint = None
+        if isinstance(leaf, LoraWeight):  # its factorisation decides where factors could fit two ways
+            n_b_have, m_hint, _ = leaf.structure
+            if n_b_have != int(stacked):
+                raise ValueError(
+                    f"load_peft: {path!r} is a LoraWeight with {n_b_have} batch axes but the "
+                    f"adapter has {'per-layer modules' if stacked else 'one module'} for it.")
+        loaded: dict[int, tuple[np.ndarray, np.ndarray, int, float]] = {}
+        for index, group in enumerate(groups):
+            present = [n for n in group if n in modules]
+            if not present:
+                continue  # PEFT's layers_to_transform: this layer is not adapted
+            if len(present) < len(group):
+                missing = [n for n in group if n not in modules]
+                raise ValueError(
+                    f"load_peft: {path!r} is one array used by modules {group}; the adapter "
+                    f"adapts {present} but not {missing}, which lorax cannot apply to one array.")
+            got = []
+            for n, g in zip(group, givens):
+                e = modules[n]
+                lay = _load_layout(g, path, parts, e["kind"], n)
+                r_expected = _expected_rank(config, n)
+                if r_expected is not None and e["A"].shape[0] != r_expected:
+                    raise ValueError(f"load_peft: module {n!r} has rank {e['A'].shape[0]} but "
+                                     f"the config says r = {r_expected}.")
+                a, b, m = _factors(n, e, lay, per_shape, path, m_hint)
+                if "base" in e:
+                    _check_base(n, e["base"], lay, w, index if stacked else None, m, path)
+                got.append((a, b, m, _scale_of(config, n, e["A"].shape[0])))
+                used.add(n)
+            for n, other in zip(group[1:], got[1:]):
+                if other[2] != got[0][2] or not _same_update(
+                        (got[0][0], got[0][1], got[0][3]), (other[0], other[1], other[3]), got[0][2]):
+                    raise ValueError(
+                        f"load_peft: modules {group[0]!r} and {n!r} both map to {path!r} (one "
+                        "array, e.g. a tied embedding) but the adapter gives them different "
+                        "updates, which lorax cannot apply to one array.")
+            loaded[index] = got[0]
+        ms = {m for _, _, m, _ in loaded.values()}
+        if len(ms) > 1:
+            raise ValueError(f"load_peft: the per-layer modules of {path!r} split its axes "
+                             f"differently: {sorted(ms)}.")
+        m = ms.pop()
         dtype = np.dtype(w.dtype) if jax.numpy.issubdtype(w.dtype, np.floating) else np.float32
-        if name is not None:
-            _, a, b, m, s = loaded[0]
+        if not stacked:
+            a, b, _, scale = loaded[0]
             n_b, k = 0, a.shape[0]
-            alpha = s * k
+            alpha = scale * k
         else:
             n_b = 1
-            ms = {m for _, _, _, m, _ in loaded}
-            if len(ms) > 1:
-                raise ValueError(f"load_peft: the per-layer modules of {path!r} split its axes "
-                                 f"differently: {sorted(ms)}.")
-            m = ms.pop()
-            k = max(a.shape[0] for _, a, _, _, _ in loaded)
-            s_ref = loaded[0][4]
+            k = max(a.shape[0] for a, _, _, _ in loaded.values())
+            s_ref = next(iter(loaded.values()))[3]
             alpha = s_ref * k
-            by_name = {n: (a, b, s) for n, a, b, _, s in loaded}
             a_stack = np.zeros((shape[0], k, *per_shape[m:]), dtype)
             b_stack = np.zeros((shape[0], *per_shape[:m], k), dtype)
-            for layer, n in enumerate(layer_names):
-                if n not in by_name:
-                    continue  # PEFT's layers_to_transform: this layer is not adapted
-                la, lb, s = by_name[n]
+            for layer, (la, lb, _, scale) in loaded.items():
                 r = la.shape[0]
                 a_stack[layer, :r] = la
                 # One alpha per LoraWeight: a layer's own scale is folded into its b.
-                b_stack[layer, ..., :r] = lb * (s / s_ref)
+                b_stack[layer, ..., :r] = lb * (scale / s_ref)
             a, b = a_stack, b_stack
         if isinstance(leaf, LoraWeight):
             a_sh, b_sh = _array_sharding(leaf.a), _array_sharding(leaf.b)

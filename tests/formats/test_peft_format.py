@@ -330,3 +330,61 @@ def test_saved_embedding_base_weight_must_be_the_base(tmp_path):
     safetensors.numpy.save_file(tensors, f)
     with pytest.raises(ValueError, match=r"its own base weight for module 'model\.embed_tokens'.*differs"):
         lorax.load_peft(tmp_path, params)
+
+
+def test_tied_embedding_is_both_modules(tmp_path):
+    """A tied embedding is one array used twice: PEFT's embed_tokens and lm_head modules."""
+    emb = jax.random.normal(jax.random.PRNGKey(0), (20, 6))
+    params = {"embed": emb}
+    lp = _nudged(lorax.init_lora(params, {"embed": 3}, jax.random.PRNGKey(1), alpha=5.0))
+    names = {"embed": ("model.embed_tokens", "lm_head")}
+    layout = {"embed": ("embedding", "out_in")}  # lm_head's torch weight is (vocab, dim)
+    lorax.save_peft(tmp_path, lp, module_name=names, layout=layout)
+    config, tensors = _read(tmp_path)
+    assert config["target_modules"] == ["lm_head", "model.embed_tokens"]
+    lw = lp["embed"]
+    eff = np.asarray(lw.materialize())
+    s = _peft_scale(config, "lm_head", 3)
+    assert_close(_torch_effective(np.asarray(emb), "embedding", tensors[P + "model.embed_tokens.lora_embedding_A"],
+                                  tensors[P + "model.embed_tokens.lora_embedding_B"], s), eff)
+    assert_close(_torch_effective(np.asarray(emb), "linear", tensors[P + "lm_head.lora_A.weight"],
+                                  tensors[P + "lm_head.lora_B.weight"], s), eff)
+
+    loaded, spec = lorax.load_peft(tmp_path, params, module_name=names, layout=layout)
+    np.testing.assert_array_equal(loaded["embed"].a, lw.a)
+    np.testing.assert_array_equal(loaded["embed"].b, lw.b)
+
+    # An adapter whose two modules differ (trained untied in PEFT) cannot go onto one array.
+    f = str(tmp_path / "adapter_model.safetensors")
+    tensors[P + "lm_head.lora_B.weight"] = tensors[P + "lm_head.lora_B.weight"] * 1.01
+    safetensors.numpy.save_file(tensors, f)
+    with pytest.raises(ValueError, match=r"'model\.embed_tokens' and 'lm_head' both map to 'embed'.*different"):
+        lorax.load_peft(tmp_path, params, module_name=names, layout=layout)
+    # Nor one that adapts only one of the two uses.
+    del tensors[P + "lm_head.lora_A.weight"], tensors[P + "lm_head.lora_B.weight"]
+    safetensors.numpy.save_file(tensors, f)
+    with pytest.raises(ValueError, match=r"one array used by modules .*adapts \['model\.embed_tokens'\] but not \['lm_head'\]"):
+        lorax.load_peft(tmp_path, params, module_name=names, layout=layout)
+
+
+def test_load_onto_a_lora_tree_replaces_its_factors(tmp_path):
+    params = {"q": {"kernel": jax.random.normal(jax.random.PRNGKey(0), (8, 6))}}
+    lp = _nudged(lorax.init_lora(params, {"q": {"kernel": 2}}, jax.random.PRNGKey(1)))
+    lorax.save_peft(tmp_path, lp)
+    fresh = lorax.init_lora(params, {"q": {"kernel": 2}}, jax.random.PRNGKey(5))
+    loaded, _ = lorax.load_peft(tmp_path, fresh)
+    assert loaded["q"]["kernel"].w is params["q"]["kernel"]
+    np.testing.assert_array_equal(loaded["q"]["kernel"].b, lp["q"]["kernel"].b)
+
+
+def test_factors_that_fit_two_ways_need_a_lora_tree(tmp_path):
+    """(4, 1, 4): torch's (out=4, in=4) is axes (4 | 1, 4) or (4, 1 | 4)."""
+    w = jnp.ones((4, 1, 4))
+    lw = lorax.LoraWeight(w, jnp.ones((2, 4)), jnp.ones((4, 1, 2)))  # m_ndim = 2
+    lorax.save_peft(tmp_path, {"x": lw}, layout="in_out")
+    with pytest.raises(ValueError, match=r"'x': the factors fit 'x' \(shape \(4, 1, 4\)\) in 2 ways"):
+        lorax.load_peft(tmp_path, {"x": w}, layout="in_out")
+    target = lorax.LoraWeight(w, jnp.zeros((2, 4)), jnp.zeros((4, 1, 2)))
+    loaded, spec = lorax.load_peft(tmp_path, {"x": target}, layout="in_out")
+    assert spec["x"].m_ndim == 2
+    np.testing.assert_array_equal(loaded["x"].b, lw.b)
