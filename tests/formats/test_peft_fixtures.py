@@ -13,7 +13,10 @@ scanned model needs, both ways:
 - export: the same adapter lorax exported from the Flax tree, restacked for llama.py
   -> `save_peft` -> the same tensors and config PEFT loaded, and PEFT's logits;
 - negative controls: a wrong layout, scale or layer numbering is far outside the
-  tolerance, so the comparisons above can fail.
+  tolerance, so the comparisons above can fail;
+- tied embeddings (tests/data/peft/tied/): llama.py's default tied model (no 'lm_head':
+  the logits use `embed.T`) with a LoRA on 'embed', exported to PEFT's embed_tokens
+  *and* lm_head modules, what PEFT gave for it on the tied torch model, and back.
 """
 
 from __future__ import annotations
@@ -50,6 +53,15 @@ NAMES = {
 # llama.py's kernels are x @ w (in, out); its embedding a (vocab, dim) table. Leaves
 # named 'q', 'embed', ... say nothing, so the layout is given for each.
 LAYOUT = {path: "in_out" for path in NAMES} | {"embed": "embedding"}
+# A tied embedding is one array, two torch modules: the lookup (an Embedding) and lm_head
+# (a Linear, torch weight (vocab, dim), i.e. the table itself as (out, in)).
+TIED = DATA / "tied"
+TIED_NAMES = {
+    "layers/q": NAMES["layers/q"],
+    "layers/down": NAMES["layers/down"],
+    "embed": ("model.embed_tokens", "lm_head"),
+}
+TIED_LAYOUT = {"layers/q": "in_out", "layers/down": "in_out", "embed": ("embedding", "out_in")}
 # llama.py layer key -> the torch module (under model.layers.<i>.) it comes from.
 TORCH_LAYER = {"attn_norm": "input_layernorm", "q": "self_attn.q_proj", "k": "self_attn.k_proj",
                "v": "self_attn.v_proj", "o": "self_attn.o_proj",
@@ -57,8 +69,8 @@ TORCH_LAYER = {"attn_norm": "input_layernorm", "q": "self_attn.q_proj", "k": "se
                "up": "mlp.up_proj", "down": "mlp.down_proj"}
 
 
-@pytest.fixture(scope="module")
-def llama():
+def llama_py():
+    """examples/shakespeare/llama.py."""
     if str(ROOT) not in sys.path:
         sys.path.insert(0, str(ROOT))
     from examples.shakespeare import llama
@@ -66,28 +78,44 @@ def llama():
     return llama
 
 
-@pytest.fixture(scope="module")
-def model(llama):
-    """`(cfg, llama.py params, torch state dict, input ids, jitted logits fns)`."""
-    c = json.loads((DATA / "config.json").read_text())
+def llama_from_torch(c: dict, state: dict):
+    """`(llama.Config, params)` for llama.py from a transformers Llama config dict and torch
+    state dict. Tied (`tie_word_embeddings`): no 'lm_head' key, so `llama.logits` uses
+    `params['embed'].T` — one array for the lookup and the output projection."""
+    llama = llama_py()
     assert c["head_dim"] == c["hidden_size"] // c["num_attention_heads"]
-    assert not c["tie_word_embeddings"] and not c["attention_bias"] and not c["mlp_bias"]
+    assert not c["attention_bias"] and not c["mlp_bias"]
     cfg = llama.Config(n_layers=c["num_hidden_layers"], dim=c["hidden_size"],
                        hidden=c["intermediate_size"], n_heads=c["num_attention_heads"],
                        n_kv_heads=c["num_key_value_heads"], rope_theta=c["rope_theta"],
                        norm_eps=c["rms_norm_eps"], vocab=c["vocab_size"])
-    state = safetensors.numpy.load_file(str(DATA / "base.safetensors"))
 
     def layer(i, key):
-        w = state[f"model.layers.{i}.{TORCH_LAYER[key]}.weight"]
+        w = np.asarray(state[f"model.layers.{i}.{TORCH_LAYER[key]}.weight"])
         return w if w.ndim == 1 else w.T  # torch Linear (out, in) -> llama.py (in, out)
 
     params = {
-        "embed": state["model.embed_tokens.weight"],
+        "embed": np.asarray(state["model.embed_tokens.weight"]),
         "layers": {key: np.stack([layer(i, key) for i in range(cfg.n_layers)]) for key in TORCH_LAYER},
-        "final_norm": state["model.norm.weight"],
-        "lm_head": state["lm_head.weight"].T,
+        "final_norm": np.asarray(state["model.norm.weight"]),
     }
+    if not c["tie_word_embeddings"]:
+        params["lm_head"] = np.asarray(state["lm_head.weight"]).T
+    return cfg, params
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return llama_py()
+
+
+@pytest.fixture(scope="module")
+def model(llama):
+    """`(cfg, llama.py params, torch state dict, input ids, jitted logits fns)`."""
+    c = json.loads((DATA / "config.json").read_text())
+    assert not c["tie_word_embeddings"]
+    state = safetensors.numpy.load_file(str(DATA / "base.safetensors"))
+    cfg, params = llama_from_torch(c, state)
     ids = np.load(DATA / "input_ids.npy")
     base = jax.jit(lambda p, t: llama.logits(cfg, p, t))
     lora = jax.jit(lorax.lora(lambda p, t: llama.logits(cfg, p, t), on_materialize="error"))
@@ -281,3 +309,97 @@ def test_control_wrong_layout_or_layer_order_on_export(model, lorax_made, tmp_pa
         diff = max_diff(lora(back, ids), want)
         report(f"control: {what}", diff)
         assert diff > 100 * TOL, what
+
+
+# ---------------------------------------------------------------- tied embeddings
+
+@pytest.fixture(scope="module")
+def tied_model(llama):
+    """The tied tiny Llama: tied/config.json on the shared base weights (its lm_head.weight,
+    the untied model's, is not used: the tied lm_head is the embedding table)."""
+    c = json.loads((TIED / "config.json").read_text())
+    assert c["tie_word_embeddings"]
+    cfg, params = llama_from_torch(c, safetensors.numpy.load_file(str(DATA / "base.safetensors")))
+    assert "lm_head" not in params  # llama.logits: h @ embed.T
+    ids = np.load(DATA / "input_ids.npy")
+    lora = jax.jit(lorax.lora(lambda p, t: llama.logits(cfg, p, t), on_materialize="error"))
+    base = jax.jit(lambda p, t: llama.logits(cfg, p, t))
+    lp, spec = lorax.load_adapter(TIED / "lorax_made.safetensors", params)
+    return cfg, params, ids, base, lora, lp, spec
+
+
+def test_tied_export_reproduces_what_peft_loaded(tied_model, tmp_path):
+    cfg, params, ids, base, lora, lp, spec = tied_model
+    assert spec["embed"] == lorax.LoraSpec(4, 8.0, batch_ndim=0, m_ndim=1)
+    assert spec["layers"]["q"] == lorax.LoraSpec(4, 8.0, batch_ndim=1, m_ndim=1)
+    base_logits = np.load(TIED / "base_logits.npy")
+    want = np.load(TIED / "lorax_made_logits.npy")
+    diff = max_diff(base(params, ids), base_logits)
+    report("tied llama.py base vs tied torch", diff)
+    assert diff <= TOL
+    diff = max_diff(lora(lp, ids), want)
+    report("tied llama.py with lorax_made vs PeftModel on the tied torch model", diff)
+    assert diff <= TOL
+    assert max_diff(want, base_logits) > 1000 * TOL
+
+    lorax.save_peft(tmp_path, lp, module_name=TIED_NAMES, layout=TIED_LAYOUT,
+                    base_model_name_or_path=BASE_NAME)
+    for f in ("adapter_config.json", "adapter_model.safetensors"):
+        assert (tmp_path / f).read_bytes() == (TIED / "lorax_made" / f).read_bytes(), f
+    config, tensors = read(tmp_path)
+    assert "lm_head" in config["target_modules"] and "model.embed_tokens" in config["target_modules"]
+    # One update, two modules: lm_head's Linear factors are the embedding's, transposed.
+    p = "base_model.model."
+    np.testing.assert_array_equal(tensors[p + "lm_head.lora_A.weight"],
+                                  tensors[p + "model.embed_tokens.lora_embedding_B"].T)
+    np.testing.assert_array_equal(tensors[p + "lm_head.lora_B.weight"],
+                                  tensors[p + "model.embed_tokens.lora_embedding_A"].T)
+
+
+def test_tied_control_embedding_module_only(tied_model, tmp_path):
+    """Exported to embed_tokens alone, the output projection misses its update: what PEFT
+    runs from those files (the lookup adapted, lm_head plain) is far from the tied logits."""
+    cfg, params, ids, _, lora, lp, _ = tied_model
+    lorax.save_peft(tmp_path, lp, module_name=TIED_NAMES | {"embed": ("model.embed_tokens",)},
+                    layout=TIED_LAYOUT | {"embed": ("embedding",)})
+    config, _ = read(tmp_path)
+    assert "lm_head" not in config["target_modules"]
+    untied = dict(params, lm_head=params["embed"].T)  # torch's lm_head: the same table, unadapted
+    back, _ = lorax.load_peft(tmp_path, untied, module_name=NAMES, layout=LAYOUT)
+    assert not isinstance(back["lm_head"], lorax.LoraWeight)
+    diff = max_diff(lora(back, ids), np.load(TIED / "lorax_made_logits.npy"))
+    report("control: tied embedding exported to embed_tokens only", diff)
+    assert diff > 100 * TOL
+
+
+def test_tied_import_round_trips(tied_model, tmp_path):
+    cfg, params, ids, _, lora, lp, spec = tied_model
+    back, back_spec = lorax.load_peft(TIED / "lorax_made", params, module_name=TIED_NAMES,
+                                      layout=TIED_LAYOUT)
+    assert back_spec == spec
+    for path in (("embed",), ("layers", "q"), ("layers", "down")):
+        got, ref = back, lp
+        for k in path:
+            got, ref = got[k], ref[k]
+        assert got.alpha == ref.alpha, path
+        np.testing.assert_allclose(np.asarray(got.a), np.asarray(ref.a), rtol=1e-6, atol=1e-7)
+        np.testing.assert_allclose(np.asarray(got.b), np.asarray(ref.b), rtol=1e-6, atol=1e-7)
+    diff = max_diff(lora(back, ids), np.load(TIED / "lorax_made_logits.npy"))
+    report("tied llama.py with load_peft(tied/lorax_made) vs PEFT", diff)
+    assert diff <= TOL
+
+    # The untied adapter PEFT made (independent embed_tokens and lm_head factors) does not
+    # fit one array...
+    names = NAMES | {"embed": ("model.embed_tokens", "lm_head")}
+    layout = LAYOUT | {"embed": ("embedding", "out_in")}
+    del names["lm_head"], layout["lm_head"]
+    with pytest.raises(ValueError, match="different updates"):
+        lorax.load_peft(DATA / "peft_made", params, module_name=names, layout=layout)
+    # ... nor does the tied adapter with lm_head's factors dropped (half the tie).
+    config, tensors = read(TIED / "lorax_made")
+    config["target_modules"].remove("lm_head")
+    (tmp_path / "adapter_config.json").write_text(json.dumps(config))
+    safetensors.numpy.save_file({k: v for k, v in tensors.items() if ".lm_head." not in k},
+                                str(tmp_path / "adapter_model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"adapts \['model.embed_tokens'\] but not \['lm_head'\]"):
+        lorax.load_peft(tmp_path, params, module_name=TIED_NAMES, layout=TIED_LAYOUT)

@@ -13,7 +13,12 @@ main environment has no torch, so the module skips there.
   stacked `(layers, in, out)` kernels with `module_name` templates;
 - the committed fixtures in tests/data/peft/ (what tests/formats/test_peft_fixtures.py
   checks in the main env, without torch) still match what real PEFT produces from them.
-  `LORAX_WRITE_PEFT_FIXTURES=1` regenerates them first.
+  `LORAX_WRITE_PEFT_FIXTURES=1` regenerates them first;
+- tied embeddings: the tiny Llama with `tie_word_embeddings=True` against llama.py's tied
+  model (no 'lm_head': the logits use `embed.T`), a LoRA on the one embedding array
+  exported as PEFT's embed_tokens *and* lm_head modules (`module_name` / `layout` tuples);
+  exported to embed_tokens alone (a negative control); PEFT's own adapters on the tied
+  model (independent factors: refused; `ensure_weight_tying`: loaded).
 """
 
 from __future__ import annotations
@@ -45,6 +50,9 @@ from transformers import FlaxLlamaForCausalLM, LlamaConfig, LlamaForCausalLM  # 
 from transformers.utils import logging as hf_logging  # noqa: E402
 
 import lorax  # noqa: E402
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import test_peft_fixtures as fx  # noqa: E402  (llama.py from torch weights, tied names)
 
 hf_logging.set_verbosity_error()  # "Flax classes are deprecated", weight-init notices
 # PEFT's notice that it saves the embedding layers' base weights (expected here).
@@ -449,7 +457,25 @@ def _write_fixtures(tiny: Tiny, trained) -> None:
     model = peft.PeftModel.from_pretrained(tiny.torch_model(), str(DATA / "lorax_made")).eval()
     np.save(DATA / "lorax_made_logits.npy", torch_logits(model, tiny.ids))
 
+    # tied/: the tied model is config.json with tie_word_embeddings on the same base
+    # weights (base.safetensors: its lm_head.weight goes unused), the adapter in lorax's
+    # format and as save_peft wrote it for PEFT, and what torch gave.
+    tied = TiedTiny(tiny)
+    (DATA / "tied").mkdir()
+    config = tied.config.to_dict()
+    config.pop("_name_or_path", None)
+    (DATA / "tied" / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    np.save(DATA / "tied" / "base_logits.npy", torch_logits(tied.torch_model(), tied.ids))
+    lp, spec = tied_adapter(tied.params)
+    lorax.save_adapter(DATA / "tied" / "lorax_made.safetensors", lp, spec,
+                       metadata={"base": BASE_NAME + " (tied)"})
+    lorax.save_peft(DATA / "tied" / "lorax_made", lp, module_name=fx.TIED_NAMES,
+                    layout=fx.TIED_LAYOUT, base_model_name_or_path=BASE_NAME)
+    model = peft.PeftModel.from_pretrained(tied.torch_model(), str(DATA / "tied" / "lorax_made")).eval()
+    np.save(DATA / "tied" / "lorax_made_logits.npy", torch_logits(model, tied.ids))
 
+
+@pytest.mark.filterwarnings("ignore:Model has `tie_word_embeddings=True`:UserWarning")  # tied/: expected
 def test_committed_fixtures_match_real_peft(tiny, trained, tmp_path_factory):
     """What test_peft_fixtures.py compares against is what real PEFT gives for its files."""
     if os.environ.get("LORAX_WRITE_PEFT_FIXTURES") == "1":
@@ -492,3 +518,177 @@ def test_committed_fixtures_match_real_peft(tiny, trained, tmp_path_factory):
     lorax.save_peft(out, lp, base_model_name_or_path=BASE_NAME)
     for f in ("adapter_config.json", "adapter_model.safetensors"):
         assert (out / f).read_bytes() == (DATA / "lorax_made" / f).read_bytes(), f
+
+
+# ---------------------------------------------------------------- tied embeddings
+
+# PEFT (0.21) warns when a tied embedding is a target and ensure_weight_tying is off:
+# "Model has `tie_word_embeddings=True` and a tied layer is part of the adapter, but
+# `ensure_weight_tying` is not set to True. This can lead to complications, for example
+# when merging the adapter ..." It still wraps both modules around the one shared base
+# Parameter, each with its own LoRA factors: the same factors in both is the tie.
+TIED_WARNING = "Model has `tie_word_embeddings=True` and a tied layer is part of the adapter"
+
+
+class TiedTiny:
+    """The tiny Llama with tie_word_embeddings=True: the untied one's weights (seed 0),
+    lm_head being the embedding table; in torch and as llama.py's tied tree."""
+
+    def __init__(self, tiny: Tiny):
+        config = tiny.config.to_dict()
+        config["tie_word_embeddings"] = True
+        self.config = LlamaConfig.from_dict(config)
+        assert self.config.tie_word_embeddings and self.config.initializer_range == 0.2
+        self.state = {k: v for k, v in tiny.state.items() if k != "lm_head.weight"}
+        self.ids = tiny.ids
+        c = self.config.to_dict()
+        self.cfg, self.params = fx.llama_from_torch(c, {k: v.numpy() for k, v in self.state.items()})
+        assert "lm_head" not in self.params
+        llama = fx.llama_py()
+        self.base_apply = jax.jit(lambda p, t: llama.logits(self.cfg, p, t))
+        self.lora_apply = jax.jit(lorax.lora(lambda p, t: llama.logits(self.cfg, p, t),
+                                             on_materialize="error"))
+
+    def torch_model(self):
+        model = LlamaForCausalLM(self.config)
+        missing, unexpected = model.load_state_dict(self.state, strict=False)
+        assert missing == ["lm_head.weight"] and not unexpected  # tied: it is embed_tokens.weight
+        assert model.lm_head.weight is model.model.embed_tokens.weight
+        model.config.name_or_path = BASE_NAME
+        return model.eval()
+
+
+def tied_adapter(params, seed: int = 0):
+    """A lorax LoRA on llama.py's tied tree: the embedding (rank 4), q and down (stacked,
+    per layer; down rank 2 with its own alpha), factors all clearly non-zero."""
+    spec = jax.tree.map(lambda _: lorax.LORA_FREEZE, params)
+    spec["embed"] = lorax.LoraSpec(4, alpha=8.0)
+    spec["layers"]["q"] = lorax.LoraSpec(4, alpha=8.0, batch_ndim=1)
+    spec["layers"]["down"] = lorax.LoraSpec(2, alpha=3.0, batch_ndim=1)
+    lp = lorax.init_lora(params, spec, jax.random.PRNGKey(seed), stddev=0.1)
+    keys = iter(jax.random.split(jax.random.PRNGKey(seed + 1), 3))
+    for path in (("embed",), ("layers", "q"), ("layers", "down")):
+        parent = lp
+        for k in path[:-1]:
+            parent = parent[k]
+        lw = parent[path[-1]]
+        parent[path[-1]] = lorax.LoraWeight(lw.w, lw.a, 0.1 * jax.random.normal(next(keys), lw.b.shape),
+                                            alpha=lw.alpha)
+    return lp, spec
+
+
+@pytest.fixture(scope="module")
+def tied(tiny) -> TiedTiny:
+    t = TiedTiny(tiny)
+    diff = max_diff(t.base_apply(t.params, t.ids), torch_logits(t.torch_model(), t.ids))
+    report("tied base: llama.py vs torch (tie_word_embeddings=True)", diff)
+    assert diff <= TOL
+    return t
+
+
+def _peft_from_pretrained(tied: TiedTiny, directory) -> tuple[object, list[str]]:
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = peft.PeftModel.from_pretrained(tied.torch_model(), str(directory)).eval()
+    return model, [str(w.message) for w in caught]
+
+
+def test_tied_embedding_export_to_peft(tied, tmp_path):
+    lp, _ = tied_adapter(tied.params)
+    want = np.asarray(tied.lora_apply(lp, tied.ids))
+    effect = max_diff(want, tied.base_apply(tied.params, tied.ids))
+    report("tied: the adapter's effect on llama.py's logits", effect)
+    assert effect > 1000 * TOL
+
+    lorax.save_peft(tmp_path, lp, module_name=fx.TIED_NAMES, layout=fx.TIED_LAYOUT,
+                    base_model_name_or_path=BASE_NAME)
+    config = json.loads((tmp_path / "adapter_config.json").read_text())
+    assert {"lm_head", "model.embed_tokens"} <= set(config["target_modules"])
+    assert len(config["target_modules"]) == 2 + 2 * 2
+    model, warned = _peft_from_pretrained(tied, tmp_path)
+    print("\n[peft-real] tied: PEFT's warnings:", warned)
+    assert any(TIED_WARNING in w for w in warned)
+    # PEFT kept the tie: both LoRA layers wrap the one base Parameter.
+    inner = model.base_model.model
+    assert inner.lm_head.base_layer.weight is inner.model.embed_tokens.base_layer.weight
+    saved = safetensors.torch.load_file(str(tmp_path / "adapter_model.safetensors"))
+    in_model = {"base_model.model." + k.removeprefix("base_model.model."): v
+                for k, v in peft.get_peft_model_state_dict(model, save_embedding_layers=False).items()}
+    assert set(in_model) == set(saved) and all(torch.equal(in_model[k], saved[k]) for k in saved)
+    got = torch_logits(model, tied.ids)
+    diff = max_diff(got, want)
+    report("tied export: PeftModel (tied torch) vs lorax.lora(llama.logits)", diff)
+    assert diff <= TOL
+
+    # Negative control: the embedding exported to embed_tokens alone. PEFT adapts the
+    # lookup only; lm_head (the same table) runs unadapted.
+    only = tmp_path / "embed_tokens_only"
+    lorax.save_peft(only, lp, module_name=fx.TIED_NAMES | {"embed": ("model.embed_tokens",)},
+                    layout=fx.TIED_LAYOUT | {"embed": ("embedding",)})
+    model, _ = _peft_from_pretrained(tied, only)
+    assert not hasattr(model.base_model.model.lm_head, "lora_A")
+    diff = max_diff(torch_logits(model, tied.ids), want)
+    report("tied control: exported to embed_tokens only, PeftModel vs lorax", diff)
+    assert diff > 100 * TOL
+
+
+def _peft_made_tied(tied: TiedTiny, directory, **kwargs):
+    import warnings
+
+    torch.manual_seed(0)
+    # lora_alpha 1: PEFT's random init (init_lora_weights=False) with alpha 8 gives logits
+    # of ~300, where f32 rounding alone is ~1e-4.
+    config = peft.LoraConfig(r=4, lora_alpha=1, target_modules=["q_proj", "embed_tokens", "lm_head"],
+                             init_lora_weights=False, **kwargs)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = peft.get_peft_model(tied.torch_model(), config).eval()
+    model.save_pretrained(str(directory))
+    return model, [str(w.message) for w in caught]
+
+
+def test_tied_import_peft_made_adapters(tied, tmp_path):
+    # Independent embed_tokens and lm_head factors: two updates of one array.
+    model, warned = _peft_made_tied(tied, tmp_path / "independent")
+    print("\n[peft-real] tied: get_peft_model's warnings:", warned)
+    assert any(TIED_WARNING in w for w in warned)
+    with pytest.raises(ValueError, match="different updates"):
+        lorax.load_peft(tmp_path / "independent", tied.params, module_name=fx.TIED_NAMES,
+                        layout=fx.TIED_LAYOUT)
+
+    # ensure_weight_tying=True: PEFT gives lm_head the embedding's factors, transposed
+    # (one update): lorax loads it onto the one array, with PEFT's logits.
+    model, _ = _peft_made_tied(tied, tmp_path / "tied", ensure_weight_tying=True)
+    want = torch_logits(model, tied.ids)
+    assert max_diff(want, tied.base_apply(tied.params, tied.ids)) > 1000 * TOL
+    lp, spec = lorax.load_peft(tmp_path / "tied", tied.params, module_name=fx.TIED_NAMES,
+                               layout=fx.TIED_LAYOUT)
+    assert isinstance(lp["embed"], lorax.LoraWeight) and spec["embed"].rank == 4
+    diff = max_diff(tied.lora_apply(lp, tied.ids), want)
+    report(f"tied import (ensure_weight_tying): lorax.load_peft vs PeftModel (max |logit| {np.abs(want).max():.3g})", diff)
+    assert diff <= TOL
+
+
+@pytest.mark.filterwarnings("ignore:Model has `tie_word_embeddings=True`:UserWarning")  # tied/: expected
+def test_committed_tied_fixtures_match_real_peft(tmp_path):
+    """tests/data/peft/tied/ (test_peft_fixtures.py's tied tests) against real PEFT; runs
+    after test_committed_fixtures_match_real_peft, which regenerates them when asked."""
+    if not (DATA / "tied" / "config.json").exists():
+        pytest.fail(f"{DATA / 'tied'} is missing: run with LORAX_WRITE_PEFT_FIXTURES=1")
+    config = LlamaConfig.from_dict(json.loads((DATA / "tied" / "config.json").read_text()))
+    assert config.tie_word_embeddings
+    state = safetensors.torch.load_file(str(DATA / "base.safetensors"))
+    state.pop("lm_head.weight")
+    model = LlamaForCausalLM(config)
+    model.load_state_dict(state, strict=False)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    ids = np.load(DATA / "input_ids.npy")
+    diff = max_diff(torch_logits(model.eval(), ids), np.load(DATA / "tied" / "base_logits.npy"))
+    report("fixtures: tied torch base vs tied/base_logits.npy", diff)
+    assert diff <= 1e-5
+    model = peft.PeftModel.from_pretrained(model, str(DATA / "tied" / "lorax_made")).eval()
+    diff = max_diff(torch_logits(model, ids), np.load(DATA / "tied" / "lorax_made_logits.npy"))
+    report("fixtures: PeftModel(tied/lorax_made) vs tied/lorax_made_logits.npy", diff)
+    assert diff <= 1e-5
