@@ -17,7 +17,6 @@ import sys
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 import pytest
 

@@ -8,7 +8,6 @@ with lorax's own. tests/examples/test_llamacpp.py runs llama.cpp itself.
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
