@@ -204,6 +204,18 @@ def current_rss():
 
 
 def peak_rss():
+    """This process's peak resident set size, in bytes.
+
+    Linux's VmHWM, not `getrusage`'s ru_maxrss: ru_maxrss survives fork and exec, so the
+    dense-base job (a child of the QLoRA job) would report its parent's peak whenever
+    that is higher (after llama.cpp has run in the parent, it is)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024  # kB
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
 
 
