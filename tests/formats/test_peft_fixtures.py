@@ -35,18 +35,15 @@ import lorax
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 DATA = ROOT / "tests" / "data" / "peft"
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+from examples.shakespeare import serve  # noqa: E402  (its HF module names for llama.py)
 TOL = 1e-4  # max |logits difference| with torch's: the same f32 model, JAX vs torch
 BASE_NAME = "lorax-tests/tiny-llama"
 
 # llama.py key path -> torch module name.
 NAMES = {
-    "layers/q": "model.layers.{layer}.self_attn.q_proj",
-    "layers/k": "model.layers.{layer}.self_attn.k_proj",
-    "layers/v": "model.layers.{layer}.self_attn.v_proj",
-    "layers/o": "model.layers.{layer}.self_attn.o_proj",
-    "layers/gate": "model.layers.{layer}.mlp.gate_proj",
-    "layers/up": "model.layers.{layer}.mlp.up_proj",
-    "layers/down": "model.layers.{layer}.mlp.down_proj",
+    **serve.HF_MODULES,  # the main job's stacked kernels -> HF Llama modules
     "embed": "model.embed_tokens",
     "lm_head": "lm_head",
 }

@@ -340,15 +340,7 @@ def test_conv_both_ways(tmp_path):
 
 # ---------------------------------------------------------------- SmolLM2-135M, stacked kernels
 
-SMOL_TARGETS = {
-    "layers/q": "model.layers.{layer}.self_attn.q_proj",
-    "layers/k": "model.layers.{layer}.self_attn.k_proj",
-    "layers/v": "model.layers.{layer}.self_attn.v_proj",
-    "layers/o": "model.layers.{layer}.self_attn.o_proj",
-    "layers/gate": "model.layers.{layer}.mlp.gate_proj",
-    "layers/up": "model.layers.{layer}.mlp.up_proj",
-    "layers/down": "model.layers.{layer}.mlp.down_proj",
-}
+SMOL_TARGETS = fx.serve.HF_MODULES  # the main job's stacked kernels -> HF Llama modules
 SMOL_TEXT = ("From fairest creatures we desire increase, That thereby beauty's rose might never "
              "die, But as the riper should by time decease, His tender heir might bear his memory: "
              "But thou, contracted to thine own bright eyes, Feed'st thy light's flame with "
