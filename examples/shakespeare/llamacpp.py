@@ -35,8 +35,7 @@ import contextlib
 import os
 from collections.abc import Sequence
 
-__all__ = ["logprobs_request", "next_token_logprobs", "permute_qk", "sample", "server",
-           "write_lora_gguf"]
+__all__ = ["logprobs_request", "next_token_logprobs", "sample", "server", "write_f32_copy"]
 
 
 def _xllamacpp():
@@ -142,46 +141,6 @@ def next_token_logprobs(gguf_path: str | os.PathLike, prompts: Sequence[Sequence
             first = choice["logprobs"]["content"][0]
             out.append({int(t["id"]): float(t["logprob"]) for t in first["top_logprobs"]})
     return out
-
-
-def permute_qk(w, n_heads: int):
-    """HF row order -> GGUF row order for a Llama Q/K weight or a LoRA B factor
-    (rows = output channels), as llama.cpp's converters do; the inverse of
-    `gguf_loader._unpermute_qk`. Use `n_heads` for attn_q, `n_kv_heads` for attn_k."""
-    import numpy as np
-
-    w = np.asarray(w)
-    out = w.shape[0]
-    return w.reshape(n_heads, 2, out // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-def write_lora_gguf(path: str | os.PathLike, factors: dict, alpha: float, *,
-                    arch: str = "llama", dtype=None) -> None:
-    """Write a LoRA adapter in llama.cpp's GGUF format.
-
-    `factors` maps a base tensor name (`"blk.0.attn_v.weight"`) to `(a, b)`: `a` (r, in)
-    (PEFT's lora_A), `b` (out, r) (lora_B), already in the GGUF's row order (for attn_q /
-    attn_k pass `permute_qk(b_hf, heads)`). llama.cpp then adds
-    `scale * alpha / r * b @ a` to the weight, `scale` being the user's (`lora=[(path,
-    scale)]`). `dtype` (float32 by default, or float16) is the factors' storage type;
-    llama.cpp accepts F32/F16 (and quantised) factors, F32 keeps it exact."""
-    import gguf
-    import numpy as np
-
-    writer = gguf.GGUFWriter(os.fspath(path), arch=arch)
-    writer.add_string("general.type", "adapter")
-    writer.add_string("adapter.type", "lora")
-    writer.add_float32("adapter.lora.alpha", float(alpha))
-    for name, (a, b) in factors.items():
-        a, b = np.asarray(a, dtype or np.float32), np.asarray(b, dtype or np.float32)
-        if a.ndim != 2 or b.ndim != 2 or a.shape[0] != b.shape[1]:
-            raise ValueError(f"{name}: a {a.shape} and b {b.shape} are not (r, in), (out, r)")
-        writer.add_tensor(f"{name}.lora_a", np.ascontiguousarray(a))
-        writer.add_tensor(f"{name}.lora_b", np.ascontiguousarray(b))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
 
 
 def sample(gguf_path: str | os.PathLike, prompt_text: str, *,

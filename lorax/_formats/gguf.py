@@ -111,7 +111,7 @@ def save_gguf_lora(
     if qk_rows not in (None, "hf", "gguf"):
         raise ValueError(f"save_gguf_lora: qk_rows must be 'hf' or 'gguf', not {qk_rows!r}.")
     reader = gguf.GGUFReader(os.fspath(base))
-    fields = {name: field for name, field in reader.fields.items()}
+    fields = reader.fields
     arch = fields["general.architecture"].contents()
     shapes = {t.name: tuple(int(n) for n in t.shape) for t in reader.tensors}  # ggml order
     n_block = int(fields[f"{arch}.block_count"].contents())
