@@ -29,6 +29,10 @@ from ._spec import (
     summary as summary,
 )
 from ._transform import lora as lora
+from ._variants.dora import DoraWeight as DoraWeight
+from ._variants.dropout import LoraDropout as LoraDropout, dropout as dropout
+from ._variants.init import LoftQ as LoftQ
+from ._variants.loraplus import loraplus as loraplus
 from ._weight import LoraWeight as LoraWeight
 
 __version__ = "0.4.0"
@@ -36,6 +40,9 @@ __version__ = "0.4.0"
 __all__ = [
     "LORA_FREEZE",
     "LORA_FULL",
+    "DoraWeight",
+    "LoftQ",
+    "LoraDropout",
     "LoraMaterializationError",
     "LoraMaterializationWarning",
     "LoraSpec",
@@ -43,11 +50,13 @@ __all__ = [
     "QuantizedArray",
     "SpecSummary",
     "combine",
+    "dropout",
     "infer_layout",
     "init_lora",
     "load_adapter",
     "load_peft",
     "lora",
+    "loraplus",
     "merge_params",
     "partition",
     "quantize",

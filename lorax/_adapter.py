@@ -19,6 +19,7 @@ import numpy as np
 from . import _engine
 from ._spec import LORA_FREEZE, LORA_FULL, LoraSpec, check_spec_structure
 from ._sharding import factor_shardings, place_host_array
+from ._variants.dora import DoraWeight
 from ._weight import LoraWeight, factor_structure
 
 _FORMAT = "lorax-adapter/1"
@@ -140,9 +141,13 @@ def save_adapter(path: str | os.PathLike, lora_params: Any, spec: Any,
             nb, nm, _ = leaf.structure
             tensors[key + ".a"] = _to_host(leaf.a)
             tensors[key + ".b"] = _to_host(leaf.b)
-            entries.append(dict(path=key, kind="lora", rank=leaf.rank, alpha=leaf.alpha,
-                                batch_ndim=nb, m_ndim=nm, w_shape=list(leaf.w.shape),
-                                w_dtype=str(leaf.w.dtype)))
+            entry = dict(path=key, kind="lora", rank=leaf.rank, alpha=leaf.alpha,
+                         batch_ndim=nb, m_ndim=nm, w_shape=list(leaf.w.shape),
+                         w_dtype=str(leaf.w.dtype))
+            if isinstance(leaf, DoraWeight):
+                tensors[key + ".m"] = _to_host(leaf.m)
+                entry.update(kind="dora")
+            entries.append(entry)
         elif spec_val == LORA_FULL:
             tensors[key] = _to_host(leaf)
             entries.append(dict(path=key, kind="full", shape=list(np.shape(leaf))))
@@ -225,8 +230,16 @@ def load_adapter(path: str | os.PathLike, base_params: Any) -> tuple[Any, Any]:
             raise ValueError(f"load_adapter: {key}: {err}") from None
         a, b = place_host_array(a_arr, a_sharding), place_host_array(b_arr, b_sharding)
         try:
-            leaves[i] = LoraWeight(w, a=a, b=b, alpha=e["alpha"])
+            if e["kind"] == "dora":
+                m = place_host_array(tensors[key + ".m"], None)
+                leaves[i] = DoraWeight(w, a=a, b=b, m=m, alpha=e["alpha"])
+            else:
+                leaves[i] = LoraWeight(w, a=a, b=b, alpha=e["alpha"])
         except ValueError as err:
             raise ValueError(f"load_adapter: {key}: {err}") from None
-        spec[i] = LoraSpec(e["rank"], e["alpha"], e["batch_ndim"], e["m_ndim"])
+        input_factor = None
+        if e["kind"] == "dora":
+            input_factor = "b" if leaves[i].output_factor == "a" else "a"
+        spec[i] = LoraSpec(e["rank"], e["alpha"], e["batch_ndim"], e["m_ndim"],
+                           dora=e["kind"] == "dora", input_factor=input_factor)
     return jax.tree_util.tree_unflatten(treedef, leaves), jax.tree_util.tree_unflatten(treedef, spec)

@@ -14,6 +14,8 @@ import jax.numpy as jnp
 from . import _engine
 from ._spec import LORA_FREEZE, LORA_FULL, LoraSpec, as_lora_spec, check_spec_structure, path_str
 from ._sharding import place_factors
+from ._variants import init as _variant_init
+from ._variants.dora import DoraWeight
 from ._weight import LoraWeight
 
 
@@ -64,7 +66,7 @@ def _check(where: str, spec_val: Any, param: Any) -> LoraSpec | None:
             f"init_lora: rank {ls.rank!r} at {where!r} must be an integer >= 1 "
             f"(weight of shape {shape})."
         )
-    return LoraSpec(int(ls.rank), ls.alpha, nb, nm)
+    return LoraSpec(int(ls.rank), ls.alpha, nb, nm, ls.dora, ls.input_factor)
 
 
 def _warn_full_rank(leaves: list, checked: list) -> None:
@@ -98,6 +100,8 @@ def init_lora(
     *,
     rslora: bool = False,
     rank_axis: str | None = None,
+    init: Any = "default",
+    dora: bool = False,
 ) -> Any:
     """Replace each leaf with a LoRA spec value by a `LoraWeight` of that rank.
 
@@ -127,6 +131,18 @@ def init_lora(
       `w`'s sharding (`b` on its batch and `M` axes, `a` on its batch and `N` axes)
       and the rank axis is replicated; name a mesh axis `w` does not use here to
       shard it instead.
+    - `init`: how the factors start (see docs/variants.md): `"default"` (above),
+      `"gaussian"` (PEFT's: the input-side factor `N(0, 1/k^2)`, the output side
+      zero), `"pissa"` / `"pissa_niter_<n>"` (the top-`k` singular directions of `w`
+      go into the factors and `w` keeps the residual; `_niter_<n>` uses a randomised
+      SVD with `n` power iterations), `"olora"` (the first `k` columns of `w`'s QR
+      decomposition, `w` keeps the residual) or `"loftq"` / [`lorax.LoftQ`][] (a
+      quantized `w` and factors that make up its quantization error). Every choice
+      leaves the model's output unchanged at initialisation, up to LoftQ's
+      remaining quantization error.
+    - `dora`: make every LoRA weight a [`lorax.DoraWeight`][] (DoRA), with its
+      magnitude initialised to the per-output-feature norms of the initial weight;
+      `LoraSpec(dora=True)` does it per weight.
 
     **Returns:**
 
@@ -157,24 +173,34 @@ def init_lora(
     spec_leaves = treedef.flatten_up_to(spec)
     checked = [_check(path_str(p), s, x) for (p, x), s in zip(leaves, spec_leaves)]
     _warn_full_rank(leaves, checked)
+    method = _variant_init.parse(init)
     shapes = tuple(
         ((*x.shape[: c.batch_ndim], c.rank, *x.shape[c.batch_ndim + c.m_ndim :]),
          (*x.shape[: c.batch_ndim + c.m_ndim], c.rank))
         for (_, x), c in zip(leaves, checked) if c is not None
-    )
+    ) if method is None else ()
     factors = iter(_draw_factors(rng, shapes, jnp.dtype(dtype), stddev))
 
     out = []
-    for (path, param), ls in zip(leaves, checked):
+    for i, ((path, param), ls) in enumerate(zip(leaves, checked)):
         if ls is None:
             out.append(param)
             continue
         nb, nm, k = ls.batch_ndim, ls.m_ndim, ls.rank
-        a, b = next(factors)
+        a_ = alpha if ls.alpha is None else ls.alpha
+        a_ = a_ * math.sqrt(k) if rslora else a_
+        where = path_str(path)
+        if method is None:
+            a, b = next(factors)
+        else:
+            param, a, b = _variant_init.init_factors(
+                method, param, ls, a_ / k, jax.random.fold_in(rng, i), jnp.dtype(dtype), where)
         try:
             a, b = place_factors(param, a, b, nb, nm, rank_axis)
         except ValueError as err:
-            raise ValueError(f"init_lora: {path_str(path)!r}: {err}") from None
-        a_ = alpha if ls.alpha is None else ls.alpha
-        out.append(LoraWeight(param, a=a, b=b, alpha=a_ * math.sqrt(k) if rslora else a_))
+            raise ValueError(f"init_lora: {where!r}: {err}") from None
+        lw = LoraWeight(param, a=a, b=b, alpha=a_)
+        if dora or ls.dora:
+            lw = DoraWeight.from_lora(lw, input_factor=ls.input_factor or "b")
+        out.append(lw)
     return jax.tree_util.tree_unflatten(treedef, out)

@@ -147,9 +147,10 @@ def _(p: _Probe, **params: Any) -> Any:
     return _follow(p, lax.slice_p.bind(p.w, **params), p.current()[0])
 
 
-def _layout_of(obs: list[_Obs], ndim: int) -> tuple[int, int] | str:
-    """`(batch_ndim, m_ndim)` agreed by every use that splits the axes, or a reason why not."""
+def _layout_of(obs: list[_Obs], ndim: int) -> tuple[int, int, str | None] | str:
+    """`(batch_ndim, m_ndim, input_factor)` agreed by every use that splits the axes, or a reason why not."""
     layouts = {}
+    input_sides = set()
     for batch, group, rest, what in obs:
         if not group or not rest:
             continue  # e.g. squeeze: says which axes are batch, not how to split
@@ -161,11 +162,15 @@ def _layout_of(obs: list[_Obs], ndim: int) -> tuple[int, int] | str:
             return (f"{what} contracts axes {sorted(group)} and keeps {sorted(rest)}, "
                     "which are not two contiguous groups")
         layouts[(nb, len(first))] = what
+        input_sides.add("b" if sorted(group) == first else "a")
     if not layouts:
         return "it never reaches a dot_general, conv or gather"
     if len(layouts) > 1:
         return f"its uses disagree on the factorisation: {layouts}"
-    return next(iter(layouts))
+    nb, nm = next(iter(layouts))
+    # The input meets `a` first (an `(out, in)` weight used as `w @ x`) only if every use
+    # says so; a table used both ways (a tied embedding) keeps the default.
+    return nb, nm, ("a" if input_sides == {"a"} else None)
 
 
 def infer_layout(fn: Callable[..., Any], params: Any, spec: Any, *args: Any, **kwargs: Any) -> Any:
@@ -178,7 +183,9 @@ def infer_layout(fn: Callable[..., Any], params: Any, spec: Any, *args: Any, **k
     embed -> k -> heads x head_dim, an output kernel `(heads, head_dim, embed)` as
     heads x head_dim -> k -> embed, a conv kernel as window x in -> k -> out, a
     stacked `(layers, in, out)` kernel of scanned layers with per-layer factors.
-    Values already given explicitly in a `LoraSpec` are kept.
+    A weight whose every use contracts its trailing axes with the input (an
+    `(out, in)` weight used as `w @ x`) gets `input_factor="a"` (see
+    [`lorax.LoraSpec`][]). Values already given explicitly in a `LoraSpec` are kept.
 
     **Arguments:**
 
@@ -237,7 +244,8 @@ def infer_layout(fn: Callable[..., Any], params: Any, spec: Any, *args: Any, **k
         if ls is None:
             out.append(spec_val)
             continue
-        if ls.batch_ndim is not None and ls.m_ndim is not None:
+        if ls.batch_ndim is not None and ls.m_ndim is not None and (
+                ls.input_factor is not None or not ls.dora):
             out.append(ls)
             continue
         layout = _layout_of(obs.get(tag, []), len(leaf.shape))
@@ -247,10 +255,12 @@ def infer_layout(fn: Callable[..., Any], params: Any, spec: Any, *args: Any, **k
                 f"{layout}. Give its factorisation explicitly with "
                 "lorax.LoraSpec(rank, batch_ndim=..., m_ndim=...)."
             )
-        nb, nm = layout
+        nb, nm, input_factor = layout
+        known = (ls.batch_ndim in (None, nb)) and (ls.m_ndim in (None, nm))
         out.append(dataclasses.replace(
             ls,
             batch_ndim=nb if ls.batch_ndim is None else ls.batch_ndim,
             m_ndim=nm if ls.m_ndim is None else ls.m_ndim,
+            input_factor=ls.input_factor or (input_factor if known else None),
         ))
     return jax.tree_util.tree_unflatten(treedef, out)

@@ -31,7 +31,7 @@ def _labels(spec: Any, params: Any) -> Any:
 
 
 def _lora_labels(lw: LoraWeight) -> LoraWeight:
-    return unchecked_replace(lw, w=_FREEZE, a=_TRAIN, b=_TRAIN)
+    return unchecked_replace(lw, w=_FREEZE, **dict.fromkeys(lw.trainable_fields, _TRAIN))
 
 
 def freeze() -> optax.GradientTransformation:

@@ -17,7 +17,9 @@ def _is_lora(x: Any) -> bool:
 
 
 def _merge_impl(w: jax.Array | None, lw: LoraWeight) -> jax.Array:
-    return lw.materialize() if w is None else w + lw.delta()
+    if w is None or type(lw) is not LoraWeight:  # DoRA rescales the whole weight
+        return lw.materialize()
+    return w + lw.delta()
 
 
 @functools.lru_cache(maxsize=None)
@@ -169,7 +171,8 @@ def partition(lora_params: Any, spec: Any) -> tuple[Any, Any]:
 
     def split(spec_val: Any, param: Any) -> tuple[Any, Any]:
         if _is_lora(param):
-            return unchecked_replace(param, w=None), unchecked_replace(param, a=None, b=None)
+            return (unchecked_replace(param, w=None),
+                    unchecked_replace(param, **dict.fromkeys(param.trainable_fields)))
         return (None, param) if spec_val == LORA_FREEZE else (param, None)
 
     trainable = jax.tree_util.tree_map(lambda s, p: split(s, p)[0], spec, lora_params, is_leaf=_engine.is_value)

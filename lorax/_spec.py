@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Union
+from typing import Any, Literal, Union
 
 import jax
 import jax.numpy as jnp
@@ -32,6 +32,15 @@ class LoraSpec:
       [`lorax.infer_layout`][].
     - `m_ndim`: how many axes after the batch axes belong to `b`'s side; the rest
       belong to `a`'s side. `None`: all but the last axis, unless inferred.
+    - `dora`: make this weight a [`lorax.DoraWeight`][] (DoRA: a trainable magnitude
+      per output feature on top of the low-rank update).
+    - `input_factor`: which factor meets the layer's input first: `"b"` when the
+      input contracts `b`'s (`M`) axes, as in `x @ w` with Flax/Haiku kernels,
+      embeddings and `(*window, in, out)` conv kernels; `"a"` when it contracts
+      `a`'s (`N`) axes, as torch/Equinox `(out, in)` weights used as `w @ x`. It
+      decides the side of DoRA's magnitude, which factor LoRA+ speeds up and the
+      orientation of the `"gaussian"` and `"olora"` initialisations. `None`: `"b"`,
+      unless [`lorax.infer_layout`][] saw otherwise.
 
     !!! Example
 
@@ -48,6 +57,13 @@ class LoraSpec:
     alpha: float | None = None
     batch_ndim: int | None = None
     m_ndim: int | None = None
+    dora: bool = False
+    input_factor: Literal["a", "b"] | None = None
+
+    def __post_init__(self) -> None:
+        if self.input_factor not in (None, "a", "b"):
+            raise ValueError(
+                f"LoraSpec.input_factor must be 'a', 'b' or None, got {self.input_factor!r}.")
 
 
 SpecValue = Union[int, LoraSpec]
@@ -268,7 +284,7 @@ def summary(params: Any, spec: Any) -> SpecSummary:
     for leaf, spec_val in zip(flat, treedef.flatten_up_to(spec)):
         if isinstance(leaf, LoraWeight):
             n_lora += 1
-            trainable += leaf.a.size + leaf.b.size
+            trainable += sum(getattr(leaf, f).size for f in leaf.trainable_fields)
             total += leaf.w.size
             base_bytes += weight_bytes(leaf.w)
             continue
@@ -284,6 +300,9 @@ def summary(params: Any, spec: Any) -> SpecSummary:
             trainable += math.prod(shape[:nb]) * ls.rank * (
                 math.prod(shape[nb : nb + nm]) + math.prod(shape[nb + nm :])
             )
+            if ls.dora:  # one magnitude per output feature
+                side = shape[nb : nb + nm] if ls.input_factor == "a" else shape[nb + nm :]
+                trainable += math.prod(shape[:nb]) * math.prod(side)
         elif spec_val == LORA_FULL:
             n_full += 1
             trainable += size

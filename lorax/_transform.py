@@ -11,6 +11,9 @@ import jax
 from jax import lax
 
 from . import _engine, _rules, _sharding  # noqa: F401  (importing _rules registers the rules)
+from ._variants.adapted import adapt
+from ._variants.dora import DoraWeight
+from ._variants.dropout import LoraDropout
 from ._weight import LoraWeight
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -26,6 +29,8 @@ def _freeze(x: Any) -> Any:
     # free, but saves any value computed from it per iteration: `stop_gradient(W_i)`
     # in a rule became a stacked, model-sized copy of every weight. Frozen here, the
     # rules read the loop input itself, and no body ever sees a differentiable W.
+    if isinstance(x, (DoraWeight, LoraDropout)):  # DoRA's scale and dropout keys, once
+        return adapt(x)
     if isinstance(x, LoraWeight):
         return dataclasses.replace(x, w=lax.stop_gradient(x.w))
     if _engine.is_value(x):  # a bare quantized weight: its scales are frozen too

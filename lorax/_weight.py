@@ -115,6 +115,10 @@ class LoraWeight(_engine.ArrayValue, metaclass=_engine.FastPytreeMeta):
     b: Array
     alpha: float = eqx.field(static=True, default=1.0)
 
+    # The leaves training updates (`w` is the frozen one): partition, optimizers and
+    # adapters read this rather than naming fields.
+    trainable_fields = ("a", "b")
+
     def __init__(self, w: ArrayLike, a: ArrayLike, b: ArrayLike, alpha: float = 1.0):
         if isinstance(alpha, jax.core.Tracer) or jnp.ndim(alpha) != 0:
             raise TypeError(

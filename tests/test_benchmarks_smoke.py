@@ -116,3 +116,16 @@ def test_qlora_quick(tmp_path):
     assert "`naive_nf4`" in (tmp_path / "qlora.md").read_text()
     if importlib.util.find_spec("matplotlib") is not None:
         assert (tmp_path / "qlora.png").stat().st_size > 0
+
+
+def test_variants_quick(tmp_path):
+    from benchmarks import variants
+
+    variants.main(["--quick", "--models", "mlp", "--out", str(tmp_path)])
+    rows = _rows(tmp_path / "variants.csv")
+    assert {r["impl"] for r in rows} == {"lora", "dora", "hand_dora", "dropout"}
+    by = {r["impl"]: r for r in rows}
+    # Structural (deterministic): DoRA's compiled step holds no weight-sized temporary
+    # beyond plain LoRA's.
+    assert float(by["dora"]["extra_temp_layers"]) < 0.5
+    assert "`dora` / lora" in (tmp_path / "variants.md").read_text()

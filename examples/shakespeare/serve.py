@@ -38,15 +38,22 @@ HF_MODULES = {
 PREFIX_LENGTHS = (16, 48, 80, 112)
 
 
-def export(lora_params, out_dir: pathlib.Path) -> dict[str, str]:
+def export(lora_params, out_dir: pathlib.Path, peft: bool = True,
+           gguf: bool = True) -> dict[str, str | None]:
     """Write the adapter as PEFT (for `HF_MODEL`) and as a GGUF LoRA (for the GGUF file).
 
     llama.py's kernels are `x @ w` (`layout="in_out"`) and its q/k rows are in the
     Hugging Face order (gguf_loader reorders the GGUF's rows back), so the GGUF writer
-    reorders `lora_b`'s q/k rows as llama.cpp's converter does (`qk_rows="hf"`)."""
+    reorders `lora_b`'s q/k rows as llama.cpp's converter does (`qk_rows="hf"`).
+    `gguf=False` (DoRA: llama.cpp has no magnitude vector) skips the GGUF, `peft=False`
+    the PEFT adapter (both are for the original base: not for a PiSSA/OLoRA/LoftQ run,
+    whose frozen `w` changed)."""
     peft_dir = out_dir / "peft"
-    lorax.save_peft(peft_dir, lora_params, base_model_name_or_path=HF_MODEL,
-                    module_name=HF_MODULES, layout="in_out", task_type="CAUSAL_LM")
+    if peft:
+        lorax.save_peft(peft_dir, lora_params, base_model_name_or_path=HF_MODEL,
+                        module_name=HF_MODULES, layout="in_out", task_type="CAUSAL_LM")
+    if not gguf:
+        return {"peft": str(peft_dir) if peft else None, "gguf": None}
     gguf_adapter = out_dir / "adapter.gguf"
     lorax.save_gguf_lora(gguf_adapter, lora_params, gguf_loader.default_gguf_path(),
                          module_name=HF_MODULES, layout="in_out", qk_rows="hf")

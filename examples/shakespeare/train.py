@@ -69,6 +69,17 @@ def parse_args(argv):
                         "steps, each paired with a LoRA step on the same batch (0: skip)")
     p.add_argument("--no-llamacpp", dest="llamacpp", action="store_false",
                    help="skip running llama.cpp (xllamacpp) on the exported GGUF adapter")
+    # LoRA variants (docs/variants.md); the default is plain LoRA.
+    p.add_argument("--dora", action="store_true",
+                   help="DoRA: a trainable magnitude per output feature (lorax.DoraWeight)")
+    p.add_argument("--init", default="default",
+                   help="factor initialisation: default, gaussian, pissa, pissa_niter_<n>, "
+                        "olora or loftq (on the quantized base PiSSA/OLoRA re-quantize the "
+                        "residual in the GGUF's format and LoftQ quantizes with it)")
+    p.add_argument("--dropout", type=float, default=0.0,
+                   help="LoRA dropout on the low-rank branch's input (training steps only)")
+    p.add_argument("--loraplus", type=float, default=None, metavar="RATIO",
+                   help="LoRA+: the output-side factor's learning rate is RATIO x --lr")
     p.add_argument("--quick", action="store_true",
                    help="smoke-test settings: 2 steps, seq 32, 2 eval windows, 5-token sample, "
                         "1 paired full fine-tuning step")
@@ -82,7 +93,57 @@ def parse_args(argv):
         p.error(f"--targets: choose from {','.join(TARGETS)} (got unknown {sorted(unknown)})")
     if args.temperature < 0 or not 0 < args.top_p <= 1:
         p.error("--temperature must be >= 0 and --top-p in (0, 1]")
+    if not 0 <= args.dropout < 1:
+        p.error("--dropout must be in [0, 1)")
+    if args.loraplus is not None and args.loraplus <= 0:
+        p.error("--loraplus must be > 0")
     return args
+
+
+def changes_base(args):
+    """PiSSA, OLoRA and LoftQ train on a changed base `w` (a residual, or LoftQ's own
+    quantization): an adapter for the original model needs converting first."""
+    return args.init.startswith("pissa") or args.init in ("olora", "loftq")
+
+
+def variant_name(args):
+    parts = ([f"init {args.init}"] if args.init != "default" else []) + (
+        ["DoRA"] if args.dora else []) + (
+        [f"dropout {args.dropout:g}"] if args.dropout else []) + (
+        [f"LoRA+ {args.loraplus:g}"] if args.loraplus else [])
+    return ", ".join(parts) or "plain LoRA"
+
+
+def init_factors(params, spec, key, args):
+    """`init_lora` with the chosen initialisation and DoRA. PiSSA / OLoRA / LoftQ need
+    the dense weights: on the quantized base the targets are dequantized for them, then
+    the residual (PiSSA, OLoRA) is re-quantized in the weight's own GGUF format, or LoftQ
+    quantizes with that format itself (its factors make up the quantization error)."""
+    init = args.init
+    changes_w = init.startswith("pissa") or init in ("olora", "loftq")
+    is_target = lambda s: isinstance(s, lorax.LoraSpec)  # noqa: E731
+    is_q = lambda x: isinstance(x, lorax.QuantizedArray)  # noqa: E731
+    formats = {}
+    if changes_w:
+        flat = jax.tree_util.tree_flatten_with_path(params, is_leaf=is_q)[0]
+        formats = {jax.tree_util.keystr(p): x for p, x in flat if is_q(x)}
+        params = jax.tree.map(lambda s, x: x.dequantize() if is_target(s) and is_q(x) else x,
+                              spec, params, is_leaf=is_q)
+        if init == "loftq":
+            qtypes = {x.qtype for x in formats.values()} or {"nf4"}
+            init = lorax.LoftQ(qtype=sorted(qtypes)[0] if len(qtypes) == 1 else "q4_1")
+    lora_params = lorax.init_lora(params, spec, key, alpha=args.alpha, init=init, dora=args.dora)
+    if changes_w and args.init != "loftq" and formats:
+        def requantize(path, x):
+            q = formats.get(jax.tree_util.keystr(path))
+            if q is None or not isinstance(x, lorax.LoraWeight):
+                return x
+            w = type(q).from_dense(x.w, q.qtype, block_size=q.block_size, axis=q.axis,
+                                   dtype=q.dense_dtype)
+            return type(x)(w, *(getattr(x, f) for f in x.trainable_fields), x.alpha)
+        lora_params = jax.tree_util.tree_map_with_path(
+            requantize, lora_params, is_leaf=lambda x: isinstance(x, lorax.LoraWeight))
+    return lora_params
 
 
 # -- helpers -----------------------------------------------------------------------
@@ -104,7 +165,7 @@ def compare_full_ft(n, lora_step, full_step, trainable, frozen, opt_state, optim
     for i in range(n + 1):  # the first pair warms both executables up
         batch = next(batches)
         t0 = time.perf_counter()
-        t_copy, o_copy, loss = lora_step(t_copy, frozen, o_copy, batch)
+        t_copy, o_copy, loss = lora_step(t_copy, frozen, o_copy, batch, i)
         loss.block_until_ready()
         t1 = time.perf_counter()
         dense, full_state, loss = full_step(dense, full_state, batch)
@@ -266,11 +327,12 @@ def main(argv=None):
     spec = lorax.simple_spec(params, targets=rf"^layers/({'|'.join(args.targets)})$",
                              rank=args.rank)
     spec = lorax.infer_layout(loss_fn, full_shapes, spec, batch_shape)
-    lora_params = lorax.init_lora(params, spec, init_key, alpha=args.alpha)
+    lora_params = init_factors(params, spec, init_key, args)
     del params  # its arrays are now the frozen `w`s inside lora_params
     counts = lorax.summary(lora_params, spec)
     n_train, n_total = counts.trainable, counts.total
-    print(f"LoRA rank {args.rank}, alpha {args.alpha:g} on {','.join(args.targets)}: {counts}")
+    print(f"LoRA rank {args.rank}, alpha {args.alpha:g} on {','.join(args.targets)} "
+          f"({variant_name(args)}): {counts}")
 
     # The lean training path: differentiate and optimise only the factors; the frozen
     # half goes in as an argument and never comes back out of the step.
@@ -279,12 +341,21 @@ def main(argv=None):
     lora_loss = lorax.lora(loss_fn, on_materialize="error")
     optimizer = optax.adamw(optax.warmup_cosine_decay_schedule(
         0.0, args.lr, max(1, args.steps // 10), args.steps, args.lr / 10))
+    lora_optimizer = optimizer
+    if args.loraplus:  # the output side's factor (here `a`) at RATIO x the learning rate
+        lora_optimizer = optax.chain(optimizer, lorax.loraplus(args.loraplus, spec))
+    dropout_key = jax.random.fold_in(init_key, 1)
 
     @functools.partial(jax.jit, donate_argnums=(0, 2))
-    def lora_step(trainable, frozen, opt_state, batch):
-        value, grads = jax.value_and_grad(
-            lambda t: lora_loss(lorax.combine(t, frozen), batch))(trainable)
-        updates, opt_state = optimizer.update(grads, opt_state, trainable)
+    def lora_step(trainable, frozen, opt_state, batch, step):
+        def loss(t):
+            p = lorax.combine(t, frozen)
+            # LoRA dropout: a fresh key per step; without --dropout, p unchanged.
+            p = lorax.dropout(p, jax.random.fold_in(dropout_key, step), args.dropout)
+            return lora_loss(p, batch)
+
+        value, grads = jax.value_and_grad(loss)(trainable)
+        updates, opt_state = lora_optimizer.update(grads, opt_state, trainable)
         return optax.apply_updates(trainable, updates), opt_state, value
 
     @functools.partial(jax.jit, donate_argnums=(0, 1))
@@ -293,8 +364,8 @@ def main(argv=None):
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, value
 
-    opt_state = optimizer.init(trainable)
-    lora_step = lora_step.lower(trainable, frozen, opt_state, batch_shape).compile()
+    opt_state = lora_optimizer.init(trainable)
+    lora_step = lora_step.lower(trainable, frozen, opt_state, batch_shape, 0).compile()
     phase("compile")
     mem_lora = compiled_bytes(lora_step)
     mem_full = None
@@ -332,9 +403,9 @@ def main(argv=None):
 
     losses, step_times = [], []
     bar = progress(range(args.steps), args.steps)
-    for _ in bar:
+    for i in bar:
         t = time.perf_counter()
-        trainable, opt_state, loss = lora_step(trainable, frozen, opt_state, next(batches))
+        trainable, opt_state, loss = lora_step(trainable, frozen, opt_state, next(batches), i)
         losses.append(float(loss))
         step_times.append(time.perf_counter() - t)
         bar.set_postfix_str(f"loss {losses[-1]:.3f}")
@@ -366,12 +437,19 @@ def main(argv=None):
     lorax.save_adapter(adapter, lorax.combine(trainable, frozen), spec, metadata={
         "base_model": gguf_loader.GGUF_NAME, "targets": ",".join(args.targets)})
     # The same adapter for the Hugging Face model (PEFT) and for llama.cpp (GGUF LoRA).
-    exported = serve.export(lorax.combine(trainable, frozen), out_dir)
+    exported = serve.export(lorax.combine(trainable, frozen), out_dir,
+                            peft=not changes_base(args),
+                            gguf=not args.dora and not changes_base(args))
+    if changes_base(args) or args.dora:
+        print(f"({variant_name(args)}: "
+              + ("no PEFT or GGUF adapter: they would be for the original base, and this "
+                 "run's frozen w changed (merge with lorax.merge_params to export)"
+                 if changes_base(args) else "no GGUF adapter: llama.cpp has no DoRA") + ")")
     curve = out_dir / "loss.png"
     save_loss_curve(losses, ppl_before, ppl_after, curve)
     phase("save")
     llamacpp = None
-    if args.llamacpp:
+    if args.llamacpp and exported["gguf"]:
         llamacpp = serve.check_with_llamacpp(
             cfg, lorax.combine(trainable, frozen), eval_windows, exported["gguf"], PROMPT,
             args.sample_tokens, args.temperature, args.top_p)
@@ -402,6 +480,8 @@ def main(argv=None):
           f"loss curve: {curve}")
     result = {
         "base": "q4_1" if quantized else "f32", "base_bytes": counts.base_bytes,
+        "variant": variant_name(args), "dora": args.dora, "init": args.init,
+        "dropout": args.dropout, "loraplus": args.loraplus,
         "ppl_before": ppl_before, "ppl_after": ppl_after, "losses": losses,
         "trainable_params": n_train, "total_params": n_total, "step_time_s": step_time,
         "peak_rss_bytes": rss, "start_rss_bytes": rss_start, "xla_bytes_lora": sum(mem_lora),

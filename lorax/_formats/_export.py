@@ -37,6 +37,13 @@ def lora_leaves(lora_params: Any) -> list[tuple[str, list[str], LoraWeight]]:
     out = []
     for path, leaf in flat:
         if isinstance(leaf, LoraWeight):
+            if type(leaf).__name__ == "DoraWeight":
+                # PEFT's lora_magnitude_vector export is not written yet: refuse rather
+                # than drop the magnitude.
+                raise ValueError(
+                    f"{'/'.join(_torch.key_parts(path))!r} is a DoraWeight; exporting DoRA "
+                    "magnitudes is not supported yet. Merge it (lorax.merge_params) or save "
+                    "it with lorax.save_adapter.")
             parts = _torch.key_parts(path)
             out.append(("/".join(parts), parts, leaf))
     return out

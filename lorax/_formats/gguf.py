@@ -96,7 +96,8 @@ def save_gguf_lora(
     **Raises:**
 
     `ValueError` naming the module when it maps to no tensor of `base`, its factors
-    do not fit that tensor, or `qk_rows` is needed and missing.
+    do not fit that tensor, or `qk_rows` is needed and missing; naming the key path of
+    a [`lorax.DoraWeight`][] (llama.cpp has no DoRA).
 
     !!! Example
 
@@ -107,6 +108,16 @@ def save_gguf_lora(
             qk_rows="hf")
         ```
     """
+    from .._variants.dora import DoraWeight
+    from .._spec import path_str
+
+    dora = [path_str(p) for p, x in jax.tree_util.tree_flatten_with_path(
+        lora_params, is_leaf=lambda x: isinstance(x, DoraWeight))[0] if isinstance(x, DoraWeight)]
+    if dora:
+        raise ValueError(
+            f"save_gguf_lora: {dora[0]!r} is a DoraWeight; llama.cpp's LoRA adapters have no "
+            "DoRA magnitude. Merge it (lorax.merge_params) and convert the merged model, or "
+            "export it for PEFT (lorax.save_peft).")
     gguf = _gguf()
     if qk_rows not in (None, "hf", "gguf"):
         raise ValueError(f"save_gguf_lora: qk_rows must be 'hf' or 'gguf', not {qk_rows!r}.")

@@ -24,7 +24,22 @@ from .dot import scale
 @_engine.register(lax.conv_general_dilated_p)
 def _(lhs: ArrayLike, rhs: LoraWeight, *, dimension_numbers: lax.ConvDimensionNumbers,
       feature_group_count: int, batch_group_count: int, **params: Any) -> Any:
-    dn = dimension_numbers
+    out = lora_conv(lhs, rhs, None, dimension_numbers, feature_group_count, batch_group_count,
+                    params)
+    if out is not None:
+        return out
+    return _engine.materialize_fallback(
+        lax.conv_general_dilated_p, [lhs, rhs],
+        dict(dimension_numbers=dimension_numbers, feature_group_count=feature_group_count,
+             batch_group_count=batch_group_count, **params),
+    )
+
+
+def lora_conv(lhs: Any, rhs: LoraWeight, lhs_low: Any, dn: lax.ConvDimensionNumbers,
+              feature_group_count: int, batch_group_count: int, params: dict) -> Any:
+    """`conv(lhs, W) + s * pointwise(conv(lhs_low, F_in), F_out)`, or `None` when the
+    kernel's factorisation does not fit (`lhs_low`: the low-rank path's input, `lhs`
+    when `None`)."""
     nb, nm, nn = rhs.structure
     out_axis = dn.rhs_spec[0]
     if nb == 0 and feature_group_count == 1 and batch_group_count == 1:
@@ -41,7 +56,7 @@ def _(lhs: ArrayLike, rhs: LoraWeight, *, dimension_numbers: lax.ConvDimensionNu
                 batch_group_count=1, **p,
             )
             base = _engine.call(conv, lhs, w, **params)  # `w` is frozen already (see `lora`)
-            t = conv(lhs, f_in.astype(w.dtype), **params)
+            t = conv(lhs if lhs_low is None else lhs_low, f_in.astype(w.dtype), **params)
             t = scale(t, rhs.scale)
             # The 1x1 kernel in the caller's rhs layout: O and I=k, unit window.
             n_spatial = len(dn.rhs_spec) - 2
@@ -63,8 +78,4 @@ def _(lhs: ArrayLike, rhs: LoraWeight, *, dimension_numbers: lax.ConvDimensionNu
                 batch_group_count=1, **pointwise,
             )
             return base + low
-    return _engine.materialize_fallback(
-        lax.conv_general_dilated_p, [lhs, rhs],
-        dict(dimension_numbers=dn, feature_group_count=feature_group_count,
-             batch_group_count=batch_group_count, **params),
-    )
+    return None

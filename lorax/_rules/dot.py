@@ -36,6 +36,7 @@ def lora_contract(
     out: Sequence[int],
     lora_first: bool,
     fresh: Iterator[int],
+    x_low: Array | None = None,
     **dot_params: Any,
 ) -> Array:
     """Contract `lw` with the plain array `x` to labels `out`, never forming `W + BA`.
@@ -46,6 +47,9 @@ def lora_contract(
     already behind `stop_gradient` (see `lora`), so it is used as is: another
     `stop_gradient` here would be a new value that `lax.scan`'s backward pass saves
     per layer instead of reading the loop input.
+
+    `x_low`, if given, replaces `x` on the low-rank path only (LoRA dropout:
+    `op(W, x) + s * ((drop(x) . F1) . F2)`).
     """
     bl, al, _ = factor_labels(lw, lwl, fresh)
     static = dict(
@@ -56,11 +60,11 @@ def lora_contract(
     try:
         hash(tuple(static.values()))
     except TypeError:  # an unhashable parameter: trace the rule inline instead
-        return _contract_impl(lw.w, lw.b, lw.a, x, **static)
-    return _contract_jit(lw.w, lw.b, lw.a, x, **static)
+        return _contract_impl(lw.w, lw.b, lw.a, x, x_low, **static)
+    return _contract_jit(lw.w, lw.b, lw.a, x, x_low, **static)
 
 
-def _contract_impl(w, b, a, x, *, structure, factor_scale, lwl, xl, out, bl, al, lora_first,
+def _contract_impl(w, b, a, x, x_low, *, structure, factor_scale, lwl, xl, out, bl, al, lora_first,
                    dot_params):
     dot_params = dict(dot_params)
     b = b.astype(w.dtype)
@@ -85,7 +89,7 @@ def _contract_impl(w, b, a, x, *, structure, factor_scale, lwl, xl, out, bl, al,
     rank_l = next(l for l in f1l if l in f2l and l not in lwl)
     rows = math.prod(d for d, l in zip(x.shape, xl) if l not in f1l)
     f1 = rank_major(f1, f1l, rank_l, lwl[:nb], rows)
-    t, tl = dot(f1, f1l, x, xl, {*out, *f2l}, **low_params)
+    t, tl = dot(f1, f1l, x if x_low is None else x_low, xl, {*out, *f2l}, **low_params)
     t = scale(t, factor_scale)
     y, yl = factor_contract(t, tl, f2, f2l, out, not lora_first, **low_params)
     return arrange(base, base_l, out) + arrange(y, yl, out)

@@ -37,7 +37,7 @@ def _shard_map(operands: Sequence[Any], in_specs: tuple) -> _engine.ShardMapPlan
             specs.append(spec)
             rebuilders.append((1, None))
             continue
-        if not isinstance(x, LoraWeight):
+        if type(x) is not LoraWeight:  # a DoraWeight's magnitude has no spec of its own
             return f"operand {i} is a {type(x).__name__}, which lorax cannot split into arrays"
         nb, nm, _ = x.structure
         try:

@@ -79,6 +79,25 @@ def test_quick_run(train_module, tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_quick_run_with_every_variant(train_module, tmp_path):
+    """--dora --init pissa --dropout --loraplus together, on the QLoRA base: PiSSA's
+    residual re-quantized in Q4_1, DoRA magnitudes trained and saved, no adapter exported
+    for the original base (this run's w changed)."""
+    res = train_module.main(["--quick", "--dora", "--init", "pissa", "--dropout", "0.1",
+                             "--loraplus", "4", "--no-compare-dense", "--no-llamacpp",
+                             "--out", str(tmp_path)])
+    assert res["variant"] == "init pissa, DoRA, dropout 0.1, LoRA+ 4"
+    assert 1.0 < res["ppl_before"] < 1000.0 and math.isfinite(res["ppl_after"])
+    assert res["peft_adapter"] is None and res["gguf_adapter"] is None
+    from safetensors import safe_open
+
+    with safe_open(res["adapter"], "np") as f:
+        m = f.get_tensor("['layers']['q'].m")
+        meta = f.metadata()
+    assert m.shape == (30, 1, 576)  # one magnitude per output feature and layer
+    assert '"kind": "dora"' in meta["entries"]
+
+
 def test_plain_text_and_tokenizer_round_trip(train_module):
     from examples.shakespeare import data, gguf_loader
 

@@ -9,7 +9,9 @@ regex choosing the weights to LoRA. It asserts that
 - a few Adam steps on the partition path lower a loss and leave every W bit-identical.
 
 With `quantize="int8"` (or another qtype) the frozen base is quantized first (QLoRA):
-the reference is then the same model on the dequantized base.
+the reference is then the same model on the dequantized base. With `dora=True` every
+weight is a `DoraWeight`, and the reference is `DoraWeight.materialize()`: the
+materialised `m * V / ||V||`, with the norm held constant as DoRA prescribes.
 """
 
 from __future__ import annotations
@@ -30,12 +32,18 @@ def _is_lora(x):
 
 
 def _nudge(lp: Any, key: jax.Array) -> Any:
-    """Give every `b` non-zero values so the low-rank path is actually exercised."""
+    """Give every `b` non-zero values so the low-rank path is actually exercised (and a
+    DoRA magnitude away from the weight's norms)."""
     leaves, treedef = jax.tree.flatten(lp, is_leaf=_is_lora)
     keys = jax.random.split(key, len(leaves))
     out = []
     for leaf, k in zip(leaves, keys):
-        if _is_lora(leaf):
+        if isinstance(leaf, lorax.DoraWeight):
+            kb, km = jax.random.split(k)
+            b = 0.1 * jax.random.normal(kb, leaf.b.shape, leaf.b.dtype)
+            m = leaf.m * (1.0 + 0.2 * jax.random.normal(km, leaf.m.shape, leaf.m.dtype))
+            leaf = lorax.DoraWeight(leaf.w, leaf.a * 10.0, b, m, alpha=leaf.alpha)
+        elif _is_lora(leaf):
             b = 0.1 * jax.random.normal(k, leaf.b.shape, leaf.b.dtype)
             leaf = lorax.LoraWeight(leaf.w, leaf.a * 10.0, b, alpha=leaf.alpha)
         out.append(leaf)
@@ -68,6 +76,7 @@ def check_lora_model(
     atol: float = 2e-5,
     steps: int = 3,
     quantize: str | None = None,
+    dora: bool = False,
 ) -> Any:
     spec = lorax.simple_spec(params, targets=targets, rank=rank)
     spec = lorax.infer_layout(apply, params, spec, *args)
@@ -77,8 +86,11 @@ def check_lora_model(
         n_q = sum(isinstance(x, lorax.QuantizedArray)
                   for x in jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, lorax.QuantizedArray)))
         assert n_q >= 1
-    lp = _nudge(lorax.init_lora(params, spec, jax.random.PRNGKey(1)), jax.random.PRNGKey(2))
+    lp = _nudge(lorax.init_lora(params, spec, jax.random.PRNGKey(1), dora=dora),
+                jax.random.PRNGKey(2))
     n_lora = sum(_is_lora(x) for x in jax.tree.leaves(lp, is_leaf=_is_lora))
+    n_dora = sum(isinstance(x, lorax.DoraWeight) for x in jax.tree.leaves(lp, is_leaf=_is_lora))
+    assert n_dora == (n_lora if dora else 0)
     assert n_lora >= 1, f"no weight matched {targets!r}"
     if expected_lora is not None:
         assert n_lora == expected_lora, n_lora

@@ -47,3 +47,20 @@ def test_qlora_on_an_int8_base():
     _check(mlp, (jnp.ones((4, 8)),), "weight", expected_lora=3, quantize="int8")
     emb = eqx.nn.Embedding(30, 8, key=jax.random.PRNGKey(0))
     _check(emb, (jnp.array([0, 5, 29]),), "weight", rank=3, expected_lora=1, quantize="int8")
+
+
+def test_dora():
+    """DoRA on `(out, in)` weights: infer_layout sees `W @ x`, so each magnitude runs
+    along the output rows (the torch convention), for Linear, Conv2d and attention."""
+    mlp = eqx.nn.MLP(6, 3, width_size=16, depth=2, key=jax.random.PRNGKey(0))
+    lp = _check(mlp, (jnp.ones((4, 6)),), "weight", expected_lora=3, dora=True, rtol=1e-5,
+                atol=1e-5)
+    assert lp.layers[0].weight.m.shape == (16, 1)
+    conv = eqx.nn.Conv2d(3, 8, kernel_size=3, stride=2, padding=1, key=jax.random.PRNGKey(0))
+    lp = _check(conv, (jnp.ones((2, 3, 8, 8)),), "weight", expected_lora=1, dora=True,
+                rtol=1e-5, atol=1e-5)
+    assert lp.weight.m.shape == (8, 1, 1, 1)
+    mha = eqx.nn.MultiheadAttention(num_heads=2, query_size=8, key=jax.random.PRNGKey(0))
+    _check(mha, (jnp.ones((2, 5, 8)),), "weight",
+           call=lambda m, x: jax.vmap(lambda t: m(t, t, t))(x), expected_lora=4, dora=True,
+           rtol=1e-5, atol=1e-5)

@@ -99,3 +99,39 @@ def test_qlora_dense_conv_embed_on_an_int8_base():
             return embed.attend(nn.DenseGeneral(16, axis=(-2, -1))(h))
 
     _check(M(), jnp.array([[1, 2, 3], [4, 5, 49]]), "kernel", expected_lora=3, quantize="int8")
+
+
+def test_dora_dense_general_conv_tied_embedding_scan():
+    """DoRA (every target a DoraWeight) through Flax modules: multi-axis DenseGeneral
+    kernels (magnitude per output head x feature), convs (per output channel), a tied
+    embedding (lookups and `attend`'s logits, which contract the magnitude's axis) and
+    scanned, rematted layers (per-layer magnitudes)."""
+    class M(nn.Module):
+        @nn.compact
+        def __call__(self, ids):
+            embed = nn.Embed(50, 16)
+            h = nn.tanh(embed(ids))
+            h = nn.Conv(16, (3,), padding="SAME")(h)
+            h = nn.DenseGeneral((2, 8), axis=-1)(h)
+            return embed.attend(nn.DenseGeneral(16, axis=(-2, -1))(h))
+
+    lp = _check(M(), jnp.array([[1, 2, 3], [4, 5, 49]]), "kernel|embedding", rank=3,
+                expected_lora=4, dora=True, rtol=1e-5, atol=1e-5)
+    assert lp["DenseGeneral_0"]["kernel"].m.shape == (1, 2, 8)
+    assert lp["Embed_0"]["embedding"].m.shape == (1, 16)
+
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, x, _):
+            return x + nn.Dense(x.shape[-1])(nn.gelu(nn.Dense(12)(x))), None
+
+    class S(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            stack = nn.scan(nn.remat(Block), variable_axes={"params": 0},
+                            split_rngs={"params": True}, length=3)
+            return stack()(x, None)[0]
+
+    lp = _check(S(), jnp.ones((2, 6)), "kernel", expected_lora=2, dora=True, rtol=1e-5,
+                atol=1e-5)
+    assert lp["ScanCheckpointBlock_0"]["Dense_0"]["kernel"].m.shape == (3, 1, 6)  # (12, 6)

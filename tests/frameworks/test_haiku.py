@@ -59,3 +59,14 @@ def test_qlora_on_an_int8_base():
         return hk.nets.MLP([16, 8])(h)
 
     _check(fn, jnp.array([[1, 2, 3, 39]]), "w$", expected_lora=6, quantize="int8")
+
+
+def test_dora():
+    def fn(ids):
+        h = hk.Embed(40, 8)(ids)
+        h = hk.MultiHeadAttention(num_heads=2, key_size=4, w_init_scale=1.0)(h, h, h)
+        h = hk.Conv1D(8, 3)(h)
+        return hk.nets.MLP([16, 8])(h)
+
+    _check(fn, jnp.array([[1, 2, 3, 39]]), "embeddings|w$", expected_lora=8, dora=True,
+           rtol=1e-5, atol=1e-5)

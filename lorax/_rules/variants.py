@@ -1,0 +1,380 @@
+"""Rules for the variants' value (`Adapted`: DoRA's scale, LoRA dropout), on top of LoRA's.
+
+DoRA's weight is `V * g` with `g = m / ||V||` constant along the input axes, so for
+any use that keeps the output features free, `op(x, V * g) = op(x, V) * g`, and for
+a use that contracts them (a tied embedding's logits, `h @ E.T`),
+`op(x, V * g) = op(x * g, V)`: the LoRA rule runs unchanged on `V` and `g` scales an
+activation-sized array. LoRA dropout hands the LoRA rule `drop(x)` for its low-rank
+path. A `DoraWeight` or `LoraDropout` that reaches a primitive without passing
+`lora`'s boundary (closed over rather than passed in) is converted here first; a
+`DoraWeight` never reaches a `LoraWeight` rule, which would drop its magnitude.
+"""
+
+# No `from __future__ import annotations`: the redirect rules below are registered in
+# loops, and dispatch reads their annotations (the loop variable) at registration.
+import functools
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import Array, lax
+from jax.extend.core import primitives as _prims
+from jax.typing import ArrayLike
+
+from .. import _engine
+from .._variants.adapted import Adapted, adapt, drop
+from .._variants.dora import DoraWeight, magnitude_shape, magnitude_side
+from .._variants.dropout import LoraDropout
+from .._weight import LoraWeight
+from ._contract import dot_labels
+from .conv import lora_conv
+from .dot import _dot_params, lora_contract
+from .._sharding import varying_axes
+from .sharding import sharding_constraint_p
+
+pvary_p = _engine.pvary_p
+
+
+def _side_axes(ad: Adapted) -> tuple[int, ...]:
+    """`w`'s axes along which `g` varies besides the batch axes (the output features)."""
+    lw = ad.lw
+    nb, nm, nn = lw.structure
+    side = magnitude_side(lw.shape, ad.g.shape, lw.structure)
+    if side == "a":
+        return tuple(range(nb + nm, nb + nm + nn))
+    return tuple(range(nb, nb + nm))
+
+
+def _place(g: Array, g_labels: Sequence[int], target: Sequence[int], dtype: Any) -> Array:
+    """`g` (one axis per label) transposed and reshaped to broadcast against `target`."""
+    target = list(target)
+    order = sorted(range(len(g_labels)), key=lambda i: target.index(g_labels[i]))
+    sizes = {g_labels[i]: g.shape[i] for i in range(len(g_labels))}
+    g = jnp.transpose(g, order)
+    return g.reshape([sizes.get(l, 1) for l in target]).astype(dtype)
+
+
+def _fallback(prim: Any, values: list, params: dict, why: str) -> Any:
+    return _engine.materialize_fallback(prim, values, params, why)
+
+
+# -- dot_general -------------------------------------------------------------------------
+
+
+def _dot(ad: Adapted, x: Any, ad_first: bool, dimension_numbers: Any, precision: Any,
+         preferred_element_type: Any, params: dict) -> Any:
+    lw = ad.lw
+    if ad_first:
+        wl, xl, out = dot_labels(lw.ndim, jnp.ndim(x), dimension_numbers)
+    else:
+        xl, wl, out = dot_labels(jnp.ndim(x), lw.ndim, dimension_numbers)
+    fresh = itertools.count(max((*wl, *xl)) + 1)
+    dot_params = _dot_params(precision, preferred_element_type, params)
+    x_low = None if ad.key is None else drop(x, ad.key, ad.rate)
+    if ad.g is None:
+        return lora_contract(lw, wl, x, xl, out, ad_first, fresh, x_low, **dot_params)
+    nb = lw.structure[0]
+    axes = (*range(nb), *_side_axes(ad))
+    g_labels = [wl[d] for d in axes]
+    g = ad.g.reshape([ad.g.shape[d] for d in axes])
+    if all(l in out for l in g_labels):
+        y = lora_contract(lw, wl, x, xl, out, ad_first, fresh, x_low, **dot_params)
+        return y * _place(g, g_labels, out, y.dtype)
+    if all(l in xl for l in g_labels):
+        gx = _place(g, g_labels, xl, jnp.result_type(x))
+        x_low = None if x_low is None else x_low * gx
+        return lora_contract(lw, wl, x * gx, xl, out, ad_first, fresh, x_low, **dot_params)
+    args = [ad, x] if ad_first else [x, ad]
+    return _fallback(lax.dot_general_p, args,
+                     dict(dimension_numbers=dimension_numbers, precision=precision,
+                          preferred_element_type=preferred_element_type, **params),
+                     "DoRA's output features are neither all kept nor all contracted")
+
+
+@_engine.register(lax.dot_general_p)
+def _(lhs: Adapted, rhs: ArrayLike, *, dimension_numbers: Any, precision: Any,
+      preferred_element_type: Any, **params: Any) -> Any:
+    return _dot(lhs, rhs, True, dimension_numbers, precision, preferred_element_type, params)
+
+
+@_engine.register(lax.dot_general_p)
+def _(lhs: ArrayLike, rhs: Adapted, *, dimension_numbers: Any, precision: Any,
+      preferred_element_type: Any, **params: Any) -> Any:
+    return _dot(rhs, lhs, False, dimension_numbers, precision, preferred_element_type, params)
+
+
+# -- conv ----------------------------------------------------------------------------------
+
+
+@_engine.register(lax.conv_general_dilated_p)
+def _(lhs: ArrayLike, rhs: Adapted, *, dimension_numbers: lax.ConvDimensionNumbers,
+      feature_group_count: int, batch_group_count: int, **params: Any) -> Any:
+    dn = dimension_numbers
+    all_params = dict(dimension_numbers=dn, feature_group_count=feature_group_count,
+                      batch_group_count=batch_group_count, **params)
+    lw = rhs.lw
+    low = None if rhs.key is None else drop(lhs, rhs.key, rhs.rate)
+
+    def conv(x: Any, x_low: Any) -> Any:
+        return lora_conv(x, lw, x_low, dn, feature_group_count, batch_group_count, params)
+
+    if rhs.g is None:
+        y = conv(lhs, low)
+    else:
+        side = _side_axes(rhs)
+        if lw.structure[0] or len(side) != 1:
+            y = None
+        elif side[0] == dn.rhs_spec[0]:  # output channels: scale the output
+            y = conv(lhs, low)
+            if y is not None:
+                shape = [1] * y.ndim
+                shape[dn.out_spec[1]] = rhs.g.size
+                y = y * rhs.g.reshape(shape).astype(y.dtype)
+        elif side[0] == dn.rhs_spec[1] and feature_group_count == 1:  # input channels
+            shape = [1] * jnp.ndim(lhs)
+            shape[dn.lhs_spec[1]] = rhs.g.size
+            gx = rhs.g.reshape(shape).astype(jnp.result_type(lhs))
+            y = conv(lhs * gx, None if low is None else low * gx)
+        else:
+            y = None
+    if y is None:
+        return _fallback(lax.conv_general_dilated_p, [lhs, rhs], all_params,
+                         "the kernel's factorisation or DoRA's side does not fit a conv")
+    return y
+
+
+# -- gather --------------------------------------------------------------------------------
+
+
+def _gather_like(g: Array, indices: Any, dn: lax.GatherDimensionNumbers,
+                 slice_sizes: Sequence[int], params: dict) -> Array:
+    """`gather(g)` with `w`'s gather: unit axes of `g` are looked up at 0, so the result
+    broadcasts against `gather(w)`."""
+    sizes = tuple(min(s, d) for s, d in zip(slice_sizes, g.shape))
+    keep = np.asarray([0 if g.shape[d] == 1 else 1 for d in dn.start_index_map])
+    idx = jnp.asarray(indices)
+    if not keep.all():
+        idx = idx * jnp.asarray(keep, idx.dtype)
+    return lax.gather_p.bind(g, idx, dimension_numbers=dn, slice_sizes=sizes, **params)
+
+
+@_engine.register(lax.gather_p)
+def _(ad: Adapted, indices: ArrayLike, *, dimension_numbers: lax.GatherDimensionNumbers,
+      slice_sizes: Sequence[int], **params: Any) -> Any:
+    out = _engine.call(functools.partial(
+        lax.gather_p.bind, dimension_numbers=dimension_numbers,
+        slice_sizes=tuple(slice_sizes), **params), ad.lw, indices)
+    g = None if ad.g is None else _gather_like(ad.g, indices, dimension_numbers, slice_sizes,
+                                               params)
+    if isinstance(out, LoraWeight):
+        if ad.key is not None:
+            raise ValueError(
+                "lorax.dropout: a gather picks layers of a stacked LoRA weight, and the "
+                "dropout keys cannot follow it; run the layers with lax.scan or index them "
+                "with a slice / dynamic_slice.")
+        return Adapted(out, g, None, ad.rate)
+    return out if g is None else out * g.astype(out.dtype)
+
+
+# -- structural ops: the same op on `lw`, on `g` and on the keys -----------------------------
+
+
+def _lift(ad: Adapted, prim: Any, params: dict, g_op: Any, key_op: Any) -> Any:
+    out = _engine.call(functools.partial(prim.bind, **params), ad.lw)
+    if isinstance(out, LoraWeight):
+        g = None if ad.g is None else g_op(ad.g, out)
+        key = None if ad.key is None else key_op(ad.key, out)
+        return Adapted(out, g, key, ad.rate)
+    if ad.g is None:
+        return out
+    return out * g_op(ad.g, None).astype(out.dtype)
+
+
+def _full_g(ad: Adapted) -> Array:
+    return jnp.broadcast_to(ad.g, ad.lw.shape)
+
+
+@_engine.register(lax.transpose_p)
+def _(ad: Adapted, *, permutation: Sequence[int]) -> Any:
+    perm = tuple(permutation)
+    nb = ad.lw.structure[0]
+    return _lift(ad, lax.transpose_p, dict(permutation=perm),
+                 lambda g, _: lax.transpose(g, perm),
+                 lambda k, _: jnp.transpose(k, perm[:nb]))
+
+
+@_engine.register(lax.convert_element_type_p)
+def _(ad: Adapted, **params: Any) -> Any:
+    return _lift(ad, lax.convert_element_type_p, params, lambda g, _: g, lambda k, _: k)
+
+
+@_engine.register(_prims.copy_p)
+def _(ad: Adapted) -> Any:
+    return ad
+
+
+@_engine.register(lax.slice_p)
+def _(ad: Adapted, *, start_indices: Sequence[int], limit_indices: Sequence[int],
+      strides: Sequence[int] | None) -> Any:
+    strides = tuple(strides or (1,) * ad.ndim)
+    nb = ad.lw.structure[0]
+
+    def g_op(g: Array, _: Any) -> Array:
+        unit = [s == 1 for s in g.shape]
+        return lax.slice(g, [0 if u else s for u, s in zip(unit, start_indices)],
+                         [1 if u else s for u, s in zip(unit, limit_indices)],
+                         [1 if u else s for u, s in zip(unit, strides)])
+
+    def key_op(k: Array, _: Any) -> Array:
+        return k[tuple(slice(s, e, st) for s, e, st in
+                       zip(start_indices[:nb], limit_indices[:nb], strides[:nb]))]
+
+    return _lift(ad, lax.slice_p, dict(start_indices=tuple(start_indices),
+                                       limit_indices=tuple(limit_indices), strides=strides),
+                 g_op, key_op)
+
+
+@_engine.register(lax.dynamic_slice_p)
+def _(ad: Adapted, *indices: Any, slice_sizes: Sequence[int]) -> Any:
+    nb = ad.lw.structure[0]
+
+    def g_op(g: Array, _: Any) -> Array:
+        idx = [jnp.zeros_like(i) if s == 1 else i for i, s in zip(indices, g.shape)]
+        return lax.dynamic_slice(g, idx, [1 if s == 1 else z for s, z in zip(g.shape, slice_sizes)])
+
+    def key_op(k: Array, _: Any) -> Array:
+        return lax.dynamic_slice(k, indices[:nb], slice_sizes[:nb]) if nb else k
+
+    out = _engine.call(lambda lw: lax.dynamic_slice(lw, indices, slice_sizes), ad.lw)
+    if isinstance(out, LoraWeight):
+        return Adapted(out, None if ad.g is None else g_op(ad.g, out),
+                       None if ad.key is None else key_op(ad.key, out), ad.rate)
+    return out if ad.g is None else out * g_op(ad.g, None).astype(out.dtype)
+
+
+@_engine.register(lax.squeeze_p)
+def _(ad: Adapted, *, dimensions: Sequence[int]) -> Any:
+    dims = tuple(sorted(d % ad.ndim for d in dimensions))
+    nb = ad.lw.structure[0]
+    return _lift(ad, lax.squeeze_p, dict(dimensions=tuple(dimensions)),
+                 lambda g, _: lax.squeeze(g, dims),
+                 lambda k, _: jnp.squeeze(k, tuple(d for d in dims if d < nb)))
+
+
+def _regroup(ad: Adapted, prim: Any, params: dict, new_shape: Sequence[int]) -> Any:
+    side = None if ad.g is None else magnitude_side(ad.lw.shape, ad.g.shape, ad.lw.structure)
+
+    def g_op(g: Array, out: Any) -> Array:
+        if out is None:  # the LoRA rule fell back to the dense weight: so does g
+            return _full_g(ad).reshape(new_shape)
+        return g.reshape(magnitude_shape(tuple(out.shape), out.structure, side))
+
+    def key_op(k: Array, out: Any) -> Array:
+        batch = tuple(out.shape[: out.structure[0]])
+        if int(np.prod(batch)) != k.size:
+            raise ValueError(
+                "lorax.dropout: a reshape regroups the batch axes of a stacked LoRA weight "
+                f"({tuple(k.shape)} -> {batch}); its dropout keys cannot follow.")
+        return k.reshape(batch)
+
+    return _lift(ad, prim, params, g_op, key_op)
+
+
+@_engine.register(lax.reshape_p)
+def _(ad: Adapted, *, new_sizes: Sequence[int], dimensions: Any, **params: Any) -> Any:
+    return _regroup(ad, lax.reshape_p, dict(new_sizes=tuple(new_sizes), dimensions=dimensions,
+                                            **params), new_sizes)
+
+
+@_engine.register(lax.broadcast_in_dim_p)
+def _(ad: Adapted, *, shape: Sequence[int], broadcast_dimensions: Sequence[int],
+      **params: Any) -> Any:
+    return _regroup(ad, lax.broadcast_in_dim_p,
+                    dict(shape=tuple(shape), broadcast_dimensions=tuple(broadcast_dimensions),
+                         **params), shape)
+
+
+# -- sharding ------------------------------------------------------------------------------
+
+
+@_engine.register(pvary_p)
+def _(ad: Adapted, *, axes: Any) -> Any:
+    def vary(x: Any) -> Any:
+        if x is None:
+            return None
+        new = tuple(a for a in axes if a not in varying_axes(x))
+        return pvary_p.bind(x, axes=new) if new else x
+
+    return Adapted(_engine.call(lambda lw: pvary_p.bind(lw, axes=axes), ad.lw), vary(ad.g),
+                   vary(ad.key), ad.rate)
+
+
+@_engine.register(sharding_constraint_p)
+def _(ad: Adapted, **params: Any) -> Any:
+    out = _engine.call(lambda lw: sharding_constraint_p.bind(lw, **params), ad.lw)
+    if isinstance(out, LoraWeight):
+        return Adapted(out, ad.g, ad.key, ad.rate)
+    return out if ad.g is None else out * ad.g.astype(out.dtype)
+
+
+# -- a DoraWeight or LoraDropout that did not pass `lora`'s boundary -------------------------
+#
+# Converted on the spot (a closed-over weight, a nested `_engine.call`). DoraWeight is a
+# LoraWeight, so every primitive with a LoraWeight rule needs this, or the LoRA rule would
+# run and silently drop the magnitude (tests/variants/test_dora.py checks the coverage).
+
+_Raw = (DoraWeight, LoraDropout)
+
+
+def _redirect_unary(prim: Any) -> None:
+    for cls in _Raw:
+        @_engine.register(prim)
+        def _(x: cls, **params: Any) -> Any:  # type: ignore[valid-type]
+            return _engine.call(functools.partial(prim.bind, **params), adapt(x))
+
+
+for _prim in (lax.transpose_p, lax.convert_element_type_p, _prims.copy_p, lax.slice_p,
+              lax.squeeze_p, lax.reshape_p, lax.broadcast_in_dim_p, pvary_p,
+              sharding_constraint_p):
+    _redirect_unary(_prim)
+
+for _cls in _Raw:
+    @_engine.register(lax.dynamic_slice_p)
+    def _(x: _cls, *indices: Any, slice_sizes: Sequence[int]) -> Any:  # type: ignore[valid-type]
+        return _engine.call(lambda v: lax.dynamic_slice(v, indices, slice_sizes), adapt(x))
+
+
+def _redirect_binary(prim: Any) -> None:
+    for cls in _Raw:
+        @_engine.register(prim)
+        def _(x: cls, y: ArrayLike, **params: Any) -> Any:  # type: ignore[valid-type]
+            return _engine.call(functools.partial(prim.bind, **params), adapt(x), y)
+
+        if prim is lax.gather_p:
+            continue
+
+        @_engine.register(prim)
+        def _(x: ArrayLike, y: cls, **params: Any) -> Any:  # type: ignore[valid-type]
+            return _engine.call(functools.partial(prim.bind, **params), x, adapt(y))
+
+
+_redirect_binary(lax.dot_general_p)
+_redirect_binary(lax.conv_general_dilated_p)
+_redirect_binary(lax.gather_p)
+
+
+def _two_weights(prim: Any) -> None:
+    # Two low-rank weights in one product (W1 @ W2) with DoRA on either side: correct
+    # dense, not low-rank.
+    for left, right in ((DoraWeight, LoraWeight), (LoraWeight, DoraWeight),
+                        (DoraWeight, DoraWeight)):
+        @_engine.register(prim)
+        def _(x: left, y: right, **params: Any) -> Any:  # type: ignore[valid-type]
+            return _engine.materialize_fallback(prim, [x, y], params,
+                                                "both operands are low-rank weights, one with DoRA")
+
+
+_two_weights(lax.dot_general_p)

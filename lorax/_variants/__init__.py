@@ -1,0 +1,1 @@
+"""LoRA variants: DoRA, initialisations, LoRA dropout, LoRA+ (each in its cheap form)."""
