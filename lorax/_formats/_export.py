@@ -11,6 +11,7 @@ import numpy as np
 
 from .. import _engine
 from .._adapter import _to_host
+from .._variants.dora import DoraWeight
 from .._weight import LoraWeight
 from . import _torch
 
@@ -37,7 +38,7 @@ def lora_leaves(lora_params: Any) -> list[tuple[str, list[str], LoraWeight]]:
     out = []
     for path, leaf in flat:
         if isinstance(leaf, LoraWeight):
-            if type(leaf).__name__ == "DoraWeight":
+            if isinstance(leaf, DoraWeight):
                 # PEFT's lora_magnitude_vector export is not written yet: refuse rather
                 # than drop the magnitude.
                 raise ValueError(

@@ -17,7 +17,6 @@ import itertools
 from collections.abc import Sequence
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import Array, lax
@@ -57,10 +56,6 @@ def _place(g: Array, g_labels: Sequence[int], target: Sequence[int], dtype: Any)
     return g.reshape([sizes.get(l, 1) for l in target]).astype(dtype)
 
 
-def _fallback(prim: Any, values: list, params: dict, why: str) -> Any:
-    return _engine.materialize_fallback(prim, values, params, why)
-
-
 # -- dot_general -------------------------------------------------------------------------
 
 
@@ -88,7 +83,7 @@ def _dot(ad: Adapted, x: Any, ad_first: bool, dimension_numbers: Any, precision:
         x_low = None if x_low is None else x_low * gx
         return lora_contract(lw, wl, x * gx, xl, out, ad_first, fresh, x_low, **dot_params)
     args = [ad, x] if ad_first else [x, ad]
-    return _fallback(lax.dot_general_p, args,
+    return _engine.materialize_fallback(lax.dot_general_p, args,
                      dict(dimension_numbers=dimension_numbers, precision=precision,
                           preferred_element_type=preferred_element_type, **params),
                      "DoRA's output features are neither all kept nor all contracted")
@@ -141,7 +136,7 @@ def _(lhs: ArrayLike, rhs: Adapted, *, dimension_numbers: lax.ConvDimensionNumbe
         else:
             y = None
     if y is None:
-        return _fallback(lax.conv_general_dilated_p, [lhs, rhs], all_params,
+        return _engine.materialize_fallback(lax.conv_general_dilated_p, [lhs, rhs], all_params,
                          "the kernel's factorisation or DoRA's side does not fit a conv")
     return y
 
@@ -182,8 +177,10 @@ def _(ad: Adapted, indices: ArrayLike, *, dimension_numbers: lax.GatherDimension
 # -- structural ops: the same op on `lw`, on `g` and on the keys -----------------------------
 
 
-def _lift(ad: Adapted, prim: Any, params: dict, g_op: Any, key_op: Any) -> Any:
-    out = _engine.call(functools.partial(prim.bind, **params), ad.lw)
+def _lift(ad: Adapted, op: Any, g_op: Any, key_op: Any) -> Any:
+    """`op(lw)`, with `g` and the keys following it (`g_op(g, out)`, `key_op(key, out)`;
+    `out` is `None` when the LoRA rule's result is dense)."""
+    out = _engine.call(op, ad.lw)
     if isinstance(out, LoraWeight):
         g = None if ad.g is None else g_op(ad.g, out)
         key = None if ad.key is None else key_op(ad.key, out)
@@ -191,6 +188,10 @@ def _lift(ad: Adapted, prim: Any, params: dict, g_op: Any, key_op: Any) -> Any:
     if ad.g is None:
         return out
     return out * g_op(ad.g, None).astype(out.dtype)
+
+
+def _bind(prim: Any, **params: Any) -> Any:
+    return functools.partial(prim.bind, **params)
 
 
 def _full_g(ad: Adapted) -> Array:
@@ -201,14 +202,14 @@ def _full_g(ad: Adapted) -> Array:
 def _(ad: Adapted, *, permutation: Sequence[int]) -> Any:
     perm = tuple(permutation)
     nb = ad.lw.structure[0]
-    return _lift(ad, lax.transpose_p, dict(permutation=perm),
+    return _lift(ad, _bind(lax.transpose_p, permutation=perm),
                  lambda g, _: lax.transpose(g, perm),
                  lambda k, _: jnp.transpose(k, perm[:nb]))
 
 
 @_engine.register(lax.convert_element_type_p)
 def _(ad: Adapted, **params: Any) -> Any:
-    return _lift(ad, lax.convert_element_type_p, params, lambda g, _: g, lambda k, _: k)
+    return _lift(ad, _bind(lax.convert_element_type_p, **params), lambda g, _: g, lambda k, _: k)
 
 
 @_engine.register(_prims.copy_p)
@@ -232,8 +233,8 @@ def _(ad: Adapted, *, start_indices: Sequence[int], limit_indices: Sequence[int]
         return k[tuple(slice(s, e, st) for s, e, st in
                        zip(start_indices[:nb], limit_indices[:nb], strides[:nb]))]
 
-    return _lift(ad, lax.slice_p, dict(start_indices=tuple(start_indices),
-                                       limit_indices=tuple(limit_indices), strides=strides),
+    return _lift(ad, _bind(lax.slice_p, start_indices=tuple(start_indices),
+                             limit_indices=tuple(limit_indices), strides=strides),
                  g_op, key_op)
 
 
@@ -248,18 +249,14 @@ def _(ad: Adapted, *indices: Any, slice_sizes: Sequence[int]) -> Any:
     def key_op(k: Array, _: Any) -> Array:
         return lax.dynamic_slice(k, indices[:nb], slice_sizes[:nb]) if nb else k
 
-    out = _engine.call(lambda lw: lax.dynamic_slice(lw, indices, slice_sizes), ad.lw)
-    if isinstance(out, LoraWeight):
-        return Adapted(out, None if ad.g is None else g_op(ad.g, out),
-                       None if ad.key is None else key_op(ad.key, out), ad.rate)
-    return out if ad.g is None else out * g_op(ad.g, None).astype(out.dtype)
+    return _lift(ad, lambda lw: lax.dynamic_slice(lw, indices, slice_sizes), g_op, key_op)
 
 
 @_engine.register(lax.squeeze_p)
 def _(ad: Adapted, *, dimensions: Sequence[int]) -> Any:
     dims = tuple(sorted(d % ad.ndim for d in dimensions))
     nb = ad.lw.structure[0]
-    return _lift(ad, lax.squeeze_p, dict(dimensions=tuple(dimensions)),
+    return _lift(ad, _bind(lax.squeeze_p, dimensions=tuple(dimensions)),
                  lambda g, _: lax.squeeze(g, dims),
                  lambda k, _: jnp.squeeze(k, tuple(d for d in dims if d < nb)))
 
@@ -280,7 +277,7 @@ def _regroup(ad: Adapted, prim: Any, params: dict, new_shape: Sequence[int]) -> 
                 f"({tuple(k.shape)} -> {batch}); its dropout keys cannot follow.")
         return k.reshape(batch)
 
-    return _lift(ad, prim, params, g_op, key_op)
+    return _lift(ad, _bind(prim, **params), g_op, key_op)
 
 
 @_engine.register(lax.reshape_p)

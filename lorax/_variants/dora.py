@@ -12,7 +12,6 @@ for the output feature `n` on `a`'s side (and the mirror image on `b`'s side): o
 
 from __future__ import annotations
 
-import math
 from typing import Any, Literal
 
 import jax
@@ -21,7 +20,7 @@ from jax import Array, lax
 from jax.typing import ArrayLike
 
 from .. import _engine
-from .._weight import LoraWeight, _dense, _shape, _structure, factor_structure
+from .._weight import LoraWeight, _dense, _shape, factor_structure
 
 Side = Literal["a", "b"]
 
@@ -244,7 +243,3 @@ _RANK_MAJOR_MIN_RANK = 32
 
 _norm_jit = jax.jit(_norm_impl, static_argnames=("scale", "side", "structure"))
 
-
-def check_structure(w_shape: tuple[int, ...], a_shape: tuple[int, ...],
-                    b_shape: tuple[int, ...]) -> bool:
-    return _structure(w_shape, a_shape, b_shape) is not None

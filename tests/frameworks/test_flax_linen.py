@@ -69,36 +69,39 @@ def test_multi_head_attention():
     assert attn["out"]["kernel"].b.shape == (2, 4, 2)  # heads x head_dim -> k -> embed
 
 
+class Block(nn.Module):  # the name shows in the params' keys: ScanCheckpointBlock_0
+    @nn.compact
+    def __call__(self, x, _):
+        return x + nn.Dense(x.shape[-1])(nn.gelu(nn.Dense(12)(x))), None
+
+
+class _Scanned(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        stack = nn.scan(nn.remat(Block), variable_axes={"params": 0},
+                        split_rngs={"params": True}, length=3)
+        return stack()(x, None)[0]
+
+
+class _TiedEmbedConvGeneral(nn.Module):
+    @nn.compact
+    def __call__(self, ids):
+        embed = nn.Embed(50, 16)
+        h = nn.tanh(embed(ids))
+        h = nn.Conv(16, (3,), padding="SAME")(h)
+        h = nn.DenseGeneral((2, 8), axis=-1)(h)
+        return embed.attend(nn.DenseGeneral(16, axis=(-2, -1))(h))
+
+
 def test_scanned_and_rematted_layers():
-    class Block(nn.Module):
-        @nn.compact
-        def __call__(self, x, _):
-            return x + nn.Dense(x.shape[-1])(nn.gelu(nn.Dense(12)(x))), None
-
-    class M(nn.Module):
-        @nn.compact
-        def __call__(self, x):
-            block = nn.remat(Block)
-            stack = nn.scan(block, variable_axes={"params": 0}, split_rngs={"params": True},
-                            length=3)
-            return stack()(x, None)[0]
-
-    lp = _check(M(), jnp.ones((2, 6)), "kernel", expected_lora=2)
+    lp = _check(_Scanned(), jnp.ones((2, 6)), "kernel", expected_lora=2)
     k = lp["ScanCheckpointBlock_0"]["Dense_0"]["kernel"]
     assert k.b.shape == (3, 12, 2) and k.a.shape == (3, 2, 6)  # per-layer factors
 
 
 def test_qlora_dense_conv_embed_on_an_int8_base():
-    class M(nn.Module):
-        @nn.compact
-        def __call__(self, ids):
-            embed = nn.Embed(50, 16)
-            h = nn.tanh(embed(ids))
-            h = nn.Conv(16, (3,), padding="SAME")(h)
-            h = nn.DenseGeneral((2, 8), axis=-1)(h)
-            return embed.attend(nn.DenseGeneral(16, axis=(-2, -1))(h))
-
-    _check(M(), jnp.array([[1, 2, 3], [4, 5, 49]]), "kernel", expected_lora=3, quantize="int8")
+    _check(_TiedEmbedConvGeneral(), jnp.array([[1, 2, 3], [4, 5, 49]]), "kernel",
+           expected_lora=3, quantize="int8")
 
 
 def test_dora_dense_general_conv_tied_embedding_scan():
@@ -106,32 +109,12 @@ def test_dora_dense_general_conv_tied_embedding_scan():
     kernels (magnitude per output head x feature), convs (per output channel), a tied
     embedding (lookups and `attend`'s logits, which contract the magnitude's axis) and
     scanned, rematted layers (per-layer magnitudes)."""
-    class M(nn.Module):
-        @nn.compact
-        def __call__(self, ids):
-            embed = nn.Embed(50, 16)
-            h = nn.tanh(embed(ids))
-            h = nn.Conv(16, (3,), padding="SAME")(h)
-            h = nn.DenseGeneral((2, 8), axis=-1)(h)
-            return embed.attend(nn.DenseGeneral(16, axis=(-2, -1))(h))
-
-    lp = _check(M(), jnp.array([[1, 2, 3], [4, 5, 49]]), "kernel|embedding", rank=3,
+    lp = _check(_TiedEmbedConvGeneral(), jnp.array([[1, 2, 3], [4, 5, 49]]),
+                "kernel|embedding", rank=3,
                 expected_lora=4, dora=True, rtol=1e-5, atol=1e-5)
     assert lp["DenseGeneral_0"]["kernel"].m.shape == (1, 2, 8)
     assert lp["Embed_0"]["embedding"].m.shape == (1, 16)
 
-    class Block(nn.Module):
-        @nn.compact
-        def __call__(self, x, _):
-            return x + nn.Dense(x.shape[-1])(nn.gelu(nn.Dense(12)(x))), None
-
-    class S(nn.Module):
-        @nn.compact
-        def __call__(self, x):
-            stack = nn.scan(nn.remat(Block), variable_axes={"params": 0},
-                            split_rngs={"params": True}, length=3)
-            return stack()(x, None)[0]
-
-    lp = _check(S(), jnp.ones((2, 6)), "kernel", expected_lora=2, dora=True, rtol=1e-5,
+    lp = _check(_Scanned(), jnp.ones((2, 6)), "kernel", expected_lora=2, dora=True, rtol=1e-5,
                 atol=1e-5)
     assert lp["ScanCheckpointBlock_0"]["Dense_0"]["kernel"].m.shape == (3, 1, 6)  # (12, 6)

@@ -73,7 +73,8 @@ def test_gpt2_lm_head_with_tied_embedding():
     assert lp["transformer"]["wte"]["embedding"].b.shape == (64, 2)
 
 
-def test_llama_causal_lm():
+@pytest.mark.parametrize("dora", [False, True], ids=["lora", "dora"])
+def test_llama_causal_lm(dora):
     cfg = transformers.LlamaConfig(
         vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16,
@@ -86,9 +87,11 @@ def test_llama_causal_lm():
     lp = check_lora_model(
         apply, _random_params(model), (IDS, MASK),
         r"(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj|lm_head)/kernel",
-        expected_lora=15)
+        expected_lora=15, **(dict(dora=True, rtol=1e-5, atol=1e-5) if dora else {}))
     attn = lp["model"]["layers"]["0"]["self_attn"]
     assert attn["k_proj"]["kernel"].a.shape == (2, 16)  # GQA: 2 kv heads x head_dim 8
+    if dora:
+        assert attn["k_proj"]["kernel"].m.shape == (1, 16)
 
 
 def test_bert_model():
@@ -106,19 +109,3 @@ def test_bert_model():
     check_lora_model(apply, _random_params(model), (IDS, MASK, token_types),
                      r"(query|key|value|dense)/kernel", expected_lora=13)
 
-
-def test_llama_causal_lm_with_dora():
-    cfg = transformers.LlamaConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16,
-    )
-    model = transformers.FlaxLlamaForCausalLM(cfg, seed=0, _do_init=False)
-
-    def apply(params, ids, mask):
-        return model(ids, attention_mask=mask, params=params).logits
-
-    lp = check_lora_model(
-        apply, _random_params(model), (IDS, MASK),
-        r"(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj|lm_head)/kernel",
-        expected_lora=15, dora=True, rtol=1e-5, atol=1e-5)
-    assert lp["model"]["layers"]["0"]["self_attn"]["k_proj"]["kernel"].m.shape == (1, 16)

@@ -83,7 +83,6 @@ def test_dora_layer_matches_the_materialised_formula(params):
     r = np.random.default_rng(seed + 1)
     m = jnp.asarray(np.abs(r.standard_normal(magnitude_shape(shape, lw.structure, side))) + 0.5,
                     jnp.float32)
-    dw = DoraWeight(lw.w, lw.a, lw.b, m, alpha)
     # Contract the input side's axes with x; keep batch axes as dot batch dims.
     in_axes = tuple(range(nb, nb + nm)) if side == "a" else tuple(range(nb + nm, len(shape)))
     x = jnp.asarray(r.standard_normal((*shape[:nb], 3, *(shape[i] for i in in_axes))),

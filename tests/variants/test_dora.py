@@ -5,7 +5,6 @@ weight use, plus the lifecycle (partition, optimizer, merge, adapters, summary).
 
 from __future__ import annotations
 
-import math
 
 import jax
 import jax.numpy as jnp
