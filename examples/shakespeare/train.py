@@ -75,7 +75,11 @@ def parse_args(argv):
     p.add_argument("--init", default="default",
                    help="factor initialisation: default, gaussian, pissa, pissa_niter_<n>, "
                         "olora or loftq (on the quantized base PiSSA/OLoRA re-quantize the "
-                        "residual in the GGUF's format and LoftQ quantizes with it)")
+                        "residual in the GGUF's format or --base-qtype; LoftQ quantizes in "
+                        "--base-qtype, default nf4)")
+    p.add_argument("--base-qtype", default=None,
+                   help="re-quantize the adapted kernels in this lorax format (nf4, int8, "
+                        "int4, q4_0, q4_1, q8_0) instead of keeping the GGUF's Q4_1 blocks")
     p.add_argument("--dropout", type=float, default=0.0,
                    help="LoRA dropout on the low-rank branch's input (training steps only)")
     p.add_argument("--loraplus", type=float, default=None, metavar="RATIO",
@@ -115,34 +119,43 @@ def variant_name(args):
 
 
 def init_factors(params, spec, key, args):
-    """`init_lora` with the chosen initialisation and DoRA. PiSSA / OLoRA / LoftQ need
-    the dense weights: on the quantized base the targets are dequantized for them, then
-    the residual (PiSSA, OLoRA) is re-quantized in the weight's own GGUF format, or LoftQ
-    quantizes with that format itself (its factors make up the quantization error)."""
+    """`init_lora` with the chosen initialisation, base format and DoRA. PiSSA / OLoRA /
+    LoftQ need the dense weights: on the quantized base the targets are dequantized for
+    them, then the residual (PiSSA, OLoRA) is re-quantized (in `--base-qtype`, or the
+    weight's own GGUF format), or LoftQ quantizes it itself."""
     init = args.init
     changes_w = init.startswith("pissa") or init in ("olora", "loftq")
     is_target = lambda s: isinstance(s, lorax.LoraSpec)  # noqa: E731
     is_q = lambda x: isinstance(x, lorax.QuantizedArray)  # noqa: E731
     formats = {}
-    if changes_w:
+    if changes_w or args.base_qtype:
         flat = jax.tree_util.tree_flatten_with_path(params, is_leaf=is_q)[0]
         formats = {jax.tree_util.keystr(p): x for p, x in flat if is_q(x)}
         params = jax.tree.map(lambda s, x: x.dequantize() if is_target(s) and is_q(x) else x,
                               spec, params, is_leaf=is_q)
         if init == "loftq":
-            qtypes = {x.qtype for x in formats.values()} or {"nf4"}
-            init = lorax.LoftQ(qtype=sorted(qtypes)[0] if len(qtypes) == 1 else "q4_1")
+            # Not the GGUF's own Q4_1: its dequantized weights are exact in Q4_1, which
+            # leaves LoftQ no error to correct.
+            init = lorax.LoftQ(qtype=args.base_qtype or "nf4")
+    targets_only = jax.tree.map(lambda s: s if is_target(s) else lorax.LORA_FULL, spec,
+                                is_leaf=is_target)
+    if args.base_qtype and not changes_w:
+        params = lorax.quantize(params, targets_only, args.base_qtype, is_leaf=is_q)
     lora_params = lorax.init_lora(params, spec, key, alpha=args.alpha, init=init, dora=args.dora)
-    if changes_w and args.init != "loftq" and formats:
-        def requantize(path, x):
+    if changes_w and args.init != "loftq" and (formats or args.base_qtype):
+        def requantize(path, x, s):
             q = formats.get(jax.tree_util.keystr(path))
-            if q is None or not isinstance(x, lorax.LoraWeight):
+            if not isinstance(x, lorax.LoraWeight) or (q is None and not args.base_qtype):
                 return x
-            w = type(q).from_dense(x.w, q.qtype, block_size=q.block_size, axis=q.axis,
-                                   dtype=q.dense_dtype)
+            if args.base_qtype:
+                w = lorax.quantize({"w": x.w}, {"w": s}, args.base_qtype)["w"]
+            else:
+                w = type(q).from_dense(x.w, q.qtype, block_size=q.block_size, axis=q.axis,
+                                       dtype=q.dense_dtype)
             return type(x)(w, *(getattr(x, f) for f in x.trainable_fields), x.alpha)
         lora_params = jax.tree_util.tree_map_with_path(
-            requantize, lora_params, is_leaf=lambda x: isinstance(x, lorax.LoraWeight))
+            requantize, lora_params, spec,
+            is_leaf=lambda x: isinstance(x, (lorax.LoraWeight, lorax.QuantizedArray)))
     return lora_params
 
 
@@ -304,7 +317,8 @@ def main(argv=None):
     print(f"SmolLM2-135M-Instruct: {cfg.n_layers} layers, dim {cfg.dim}, "
           f"{cfg.n_heads}/{cfg.n_kv_heads} heads, vocab {cfg.vocab}; base "
           + ("in the GGUF's blocks (Q4_1 kernels, Q8_0 embedding)" if quantized
-             else "dense float32 (the dequantised GGUF)"))
+             else "dense float32 (the dequantised GGUF)")
+          + (f"; adapted kernels re-quantized in {args.base_qtype}" if args.base_qtype else ""))
     phase("load")
 
     train_text, held_text = data.load_plays()
@@ -479,7 +493,7 @@ def main(argv=None):
     print(f"adapter: {adapter}  PEFT: {exported['peft']}  llama.cpp: {exported['gguf']}  "
           f"loss curve: {curve}")
     result = {
-        "base": "q4_1" if quantized else "f32", "base_bytes": counts.base_bytes,
+        "base": args.base_qtype or ("q4_1" if quantized else "f32"), "base_bytes": counts.base_bytes,
         "variant": variant_name(args), "dora": args.dora, "init": args.init,
         "dropout": args.dropout, "loraplus": args.loraplus,
         "ppl_before": ppl_before, "ppl_after": ppl_after, "losses": losses,

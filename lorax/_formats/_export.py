@@ -11,7 +11,7 @@ import numpy as np
 
 from .. import _engine
 from .._adapter import _to_host
-from .._variants.dora import DoraWeight
+from .._variants.dora import DoraWeight, magnitude_side
 from .._weight import LoraWeight
 from . import _torch
 
@@ -27,6 +27,7 @@ class Module:
     lora_a: np.ndarray        # (r, in) | (r, num) | (r, in, *window)
     lora_b: np.ndarray        # (out, r) | (dim, r) | (out, r, 1, ...)
     alpha: float              # the update is (alpha / r) * lora_B @ lora_A
+    magnitude: np.ndarray | None = None  # DoRA: PEFT's lora_magnitude_vector
 
     @property
     def rank(self) -> int:
@@ -38,16 +39,28 @@ def lora_leaves(lora_params: Any) -> list[tuple[str, list[str], LoraWeight]]:
     out = []
     for path, leaf in flat:
         if isinstance(leaf, LoraWeight):
-            if isinstance(leaf, DoraWeight):
-                # PEFT's lora_magnitude_vector export is not written yet: refuse rather
-                # than drop the magnitude.
-                raise ValueError(
-                    f"{'/'.join(_torch.key_parts(path))!r} is a DoraWeight; exporting DoRA "
-                    "magnitudes is not supported yet. Merge it (lorax.merge_params) or save "
-                    "it with lorax.save_adapter.")
             parts = _torch.key_parts(path)
             out.append(("/".join(parts), parts, leaf))
     return out
+
+
+def _magnitude(fn_name: str, path: str, lw: DoraWeight, lays: list[str]) -> np.ndarray:
+    """A DoRA magnitude on the host, checked to be on the output side torch's layout has."""
+    if len(lays) > 1:
+        # Each module normalises over its own input axes (a tied lm_head over the
+        # features, the embedding over the vocabulary): one m cannot be both.
+        raise ValueError(
+            f"{fn_name}: {path!r} is a DoraWeight used by {len(lays)} torch modules; PEFT's "
+            "DoRA normalises each module over its own input axes, which one magnitude cannot "
+            "express. Merge it (lorax.merge_params) or save it with lorax.save_adapter.")
+    side = magnitude_side(tuple(lw.w.shape), tuple(lw.m.shape), lw.structure)
+    if side != _torch.output_side(lays[0]):
+        raise ValueError(
+            f"{fn_name}: {path!r} is a DoraWeight with its magnitude on {side!r}'s side, but "
+            f"layout {lays[0]!r} has the output on {_torch.output_side(lays[0])!r}'s side: "
+            "PEFT's magnitude is per output feature. Give the layout the weight is used with, "
+            "or build the DoraWeight with the matching LoraSpec(input_factor=...).")
+    return np.asarray(_to_host(lw.m))
 
 
 def export_modules(fn_name: str, lora_params: Any, module_name: Any, layout: Any,
@@ -73,8 +86,10 @@ def export_modules(fn_name: str, lora_params: Any, module_name: Any, layout: Any
         for lay in lays:
             _torch.check_layout(fn_name, repr(path), lay, n_m, n_n, shape)
         a, b = _to_host(lw.a), _to_host(lw.b)
+        mag = _magnitude(fn_name, path, lw, lays) if isinstance(lw, DoraWeight) else None
         if dtype is not None:
             a, b = a.astype(dtype), b.astype(dtype)
+            mag = None if mag is None else mag.astype(dtype)
         for layer in itertools.product(*map(range, shape[:n_b])) if n_b else [None]:
             names = _torch.module_name_for(fn_name, module_name, path, parts, layer, n_b, shape)
             if len(lays) == 1:
@@ -89,6 +104,9 @@ def export_modules(fn_name: str, lora_params: Any, module_name: Any, layout: Any
                                      f"and {seen[name]} both map to module {name!r}.")
                 seen[name] = repr(path) + ("" if layer is None else str(list(layer)))
                 kind, ta, tb = _torch.to_torch(lay, np.asarray(la), np.asarray(lb))
+                tm = None
+                if mag is not None:
+                    tm = _torch.magnitude_to_torch(lay, mag if layer is None else mag[layer])
                 modules.append(Module(path, layer, name, kind, np.ascontiguousarray(ta),
-                                      np.ascontiguousarray(tb), float(lw.alpha)))
+                                      np.ascontiguousarray(tb), float(lw.alpha), tm))
     return modules

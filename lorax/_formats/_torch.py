@@ -254,3 +254,35 @@ def kind_of(layout: str) -> str:
 def pattern_matches(pattern: str, name: str) -> bool:
     """PEFT's `get_pattern_key` rule: `pattern` (a regex) matches `name` or a dotted suffix."""
     return re.match(rf"(.*\.)?({pattern})$", name) is not None
+
+
+def output_side(layout: str) -> str:
+    """The lorax factor on the output side of a weight in `layout` (DoRA's magnitude side)."""
+    return "a" if layout in ("in_out", "embedding", "conv_in_out") else "b"
+
+
+def magnitude_to_torch(layout: str, m: np.ndarray) -> np.ndarray:
+    """A DoRA magnitude (lorax's keepdims `m`, no batch axes) as PEFT's
+    `lora_magnitude_vector`: `(out,)` for Linear and Embedding (`(dim,)`), `(1, out, 1, ...)`
+    for Conv (PEFT keeps it broadcastable against the `(N, C, ...)` output)."""
+    vec = np.ascontiguousarray(m.reshape(-1))
+    if kind_of(layout) == "conv":
+        return vec.reshape(1, -1, *([1] * (m.ndim - 2)))
+    return vec
+
+
+def magnitude_from_torch(layout: str, vec: np.ndarray, shape: tuple[int, ...],
+                         m_ndim: int) -> np.ndarray | None:
+    """PEFT's `lora_magnitude_vector` as lorax's keepdims `m` for an unbatched weight
+    `shape` split at `m_ndim`; `None` if its shape does not fit."""
+    if tuple(vec.shape) != magnitude_torch_shape(layout, shape, m_ndim):
+        return None
+    if output_side(layout) == "a":
+        return vec.reshape(*([1] * m_ndim), *shape[m_ndim:])
+    return vec.reshape(*shape[:m_ndim], *([1] * (len(shape) - m_ndim)))
+
+
+def magnitude_torch_shape(layout: str, shape: tuple[int, ...], m_ndim: int) -> tuple[int, ...]:
+    """The `lora_magnitude_vector` shape PEFT has for an unbatched weight `shape`."""
+    out = math.prod(shape[m_ndim:] if output_side(layout) == "a" else shape[:m_ndim])
+    return (1, out, *([1] * (len(shape) - 2))) if kind_of(layout) == "conv" else (out,)

@@ -30,6 +30,7 @@ from .. import _engine
 from .._adapter import _array_sharding, _read_safetensors, _write_safetensors
 from .._sharding import factor_shardings, place_host_array
 from .._spec import LORA_FREEZE, LoraSpec
+from .._variants.dora import DoraWeight
 from .._weight import LoraWeight
 from . import _torch
 from ._export import export_modules
@@ -43,15 +44,14 @@ _SUFFIXES = {
     ".lora_embedding_A": ("A", "embedding"), ".lora_embedding_B": ("B", "embedding"),
 }
 # Tensors PEFT writes for features lorax does not read, and what they are.
+# PEFT's state dict drops the adapter name and the DoRA layer's ".weight" from this key.
+_MAGNITUDE = ".lora_magnitude_vector"
 _UNREAD_TENSORS = {
-    ".lora_magnitude_vector": "DoRA's magnitude vector (use_dora)",
-    ".lora_magnitude_vector.weight": "DoRA's magnitude vector (use_dora)",
     ".lora_B.bias": "a bias on lora_B (lora_bias)",
     ".lora_embedding_B.bias": "a bias on lora_B (lora_bias)",
 }
 # Config entries that change what an adapter means, and lorax's word for each.
 _UNREAD_CONFIG = {
-    "use_dora": "DoRA (use_dora)",
     "lora_bias": "a trainable bias on lora_B (lora_bias)",
     "modules_to_save": "fully trained modules (modules_to_save)",
     "target_parameters": "adapters on bare parameters (target_parameters)",
@@ -96,7 +96,9 @@ def save_peft(
     `(out, in)`), lookup tables as `Embedding`, conv kernels as `Conv`. The update
     is kept exactly: PEFT's `lora_alpha` for a module is the `LoraWeight`'s `alpha`
     (its scale is `alpha / r` in both), mixed ranks and alphas go to
-    `rank_pattern` / `alpha_pattern`. Fully trained (`LORA_FULL`) leaves are not part
+    `rank_pattern` / `alpha_pattern`. [`lorax.DoraWeight`][]s are PEFT's DoRA
+    (`use_dora`, the magnitude as `lora_magnitude_vector`; PEFT applies DoRA to every
+    module of an adapter, so all weights must be DoRA or none). Fully trained (`LORA_FULL`) leaves are not part
     of a PEFT LoRA adapter; [`lorax.save_adapter`][] keeps them.
 
     Sharded factors are gathered to the host; with several processes every
@@ -156,6 +158,13 @@ def save_peft(
     """
     modules = export_modules("save_peft", lora_params, module_name, layout, dtype)
     names = [m.name for m in modules]
+    dora = [m.name for m in modules if m.magnitude is not None]
+    if dora and len(dora) != len(modules):
+        plain = sorted(set(names) - set(dora))
+        raise ValueError(
+            f"save_peft: modules {sorted(dora)[:3]} are DoRA weights and {plain[:3]} are not; "
+            "PEFT's use_dora applies to every module of an adapter. Make them all DoRA or none "
+            "(LoraSpec(dora=...)), or save the two groups as two adapters.")
     r = _most_common([m.rank for m in modules])
     alpha = _most_common([m.alpha for m in modules])
     rank_pattern = {_pattern_key(m.name, names): m.rank for m in modules if m.rank != r}
@@ -168,6 +177,8 @@ def save_peft(
         else:
             tensors[f"{_PREFIX}{m.name}.lora_A.weight"] = m.lora_a
             tensors[f"{_PREFIX}{m.name}.lora_B.weight"] = m.lora_b
+        if m.magnitude is not None:
+            tensors[f"{_PREFIX}{m.name}{_MAGNITUDE}"] = m.magnitude
 
     def number(x: float) -> float | int:
         return int(x) if float(x).is_integer() else float(x)
@@ -185,7 +196,7 @@ def save_peft(
         "bias": "none",
         "fan_in_fan_out": False,
         "use_rslora": False,
-        "use_dora": False,
+        "use_dora": bool(dora),
         "init_lora_weights": True,
         "inference_mode": True,
         "modules_to_save": None,
@@ -232,6 +243,10 @@ def _read_modules(directory: str) -> dict[str, dict[str, Any]]:
     tensors, _ = _read_safetensors(os.path.join(directory, WEIGHTS_NAME))
     modules: dict[str, dict[str, Any]] = {}
     for key, arr in tensors.items():
+        if key.startswith(_PREFIX) and key.endswith((_MAGNITUDE, _MAGNITUDE + ".weight")):
+            name = key[len(_PREFIX):key.rindex(_MAGNITUDE)]
+            modules.setdefault(name, {})["M"] = arr
+            continue
         for suffix, what in _UNREAD_TENSORS.items():
             if key.endswith(suffix):
                 module = key[len(_PREFIX):-len(suffix)] if key.startswith(_PREFIX) else key
@@ -254,8 +269,9 @@ def _read_modules(directory: str) -> dict[str, dict[str, Any]]:
                 f"'{_PREFIX}<module>' + one of {sorted(_SUFFIXES)}.")
     for name, entry in modules.items():
         if "A" not in entry and "B" not in entry:
-            raise ValueError(f"load_peft: module {name!r} has a base weight "
-                             f"({_PREFIX}{name}{_BASE_LAYER}) but no LoRA factors.")
+            what = (f"a base weight ({_PREFIX}{name}{_BASE_LAYER})" if "base" in entry
+                    else f"a DoRA magnitude ({_PREFIX}{name}{_MAGNITUDE})")
+            raise ValueError(f"load_peft: module {name!r} has {what} but no LoRA factors.")
         if "A" not in entry or "B" not in entry:
             missing = "lora_B" if "A" in entry else "lora_A"
             raise ValueError(f"load_peft: module {name!r} has no {missing} tensor.")
@@ -379,6 +395,15 @@ def _factors(name: str, entry: dict[str, Any], lay: str, shape: tuple[int, ...],
     return a, b, m
 
 
+def _norm(w: Any, layer: int, m_ndim: int, lay: str) -> np.ndarray:
+    """DoRA's magnitude for a layer the adapter leaves out (zero factors): `||w||` per
+    output feature, so the layer is unchanged."""
+    wl = np.asarray(w.dequantize() if hasattr(w, "dequantize") else w)[layer].astype(np.float64)
+    axes = (tuple(range(m_ndim)) if _torch.output_side(lay) == "a"
+            else tuple(range(m_ndim, wl.ndim)))
+    return np.sqrt(np.sum(wl * wl, axis=axes, keepdims=True))
+
+
 def _check_base(name: str, base: np.ndarray, lay: str, w: Any, layer: int | None, m: int,
                 path: str) -> None:
     """PEFT saves the embedding layers' base weights with the adapter (`save_embedding_layers`,
@@ -420,11 +445,13 @@ def load_peft(
     conv kernels, and per-layer modules stacked onto stacked weights (a layer the
     adapter leaves out gets zero factors, ranks are zero-padded to the largest).
     `rank_pattern`, `alpha_pattern` and `use_rslora` are honoured; the update is
-    PEFT's `scaling · B @ A` exactly.
+    PEFT's `scaling · B @ A` exactly. A DoRA adapter (`use_dora`) gives
+    [`lorax.DoraWeight`][]s with PEFT's `lora_magnitude_vector` as `m` (a layer the
+    adapter leaves out gets `m = ||w||`, which leaves it unchanged).
 
     Either everything is applied or an error is raised: a module no parameter maps
-    to, factors that do not fit, or a PEFT feature lorax does not read (DoRA's
-    `lora_magnitude_vector`, `lora_bias`, `modules_to_save`, ...) is a `ValueError`
+    to, factors that do not fit, or a PEFT feature lorax does not read (`lora_bias`,
+    `modules_to_save`, ...) is a `ValueError`
     naming the module. `params` is not modified.
 
     **Arguments:**
@@ -451,6 +478,14 @@ def load_peft(
     directory = os.fspath(directory)
     config = _read_config(directory)
     modules = _read_modules(directory)
+    use_dora = bool(config.get("use_dora"))
+    for name, entry in modules.items():
+        if use_dora and "M" not in entry:
+            raise ValueError(f"load_peft: the config says use_dora but module {name!r} has no "
+                             f"DoRA magnitude ({_PREFIX}{name}{_MAGNITUDE}).")
+        if not use_dora and "M" in entry:
+            raise ValueError(f"load_peft: module {name!r} has a DoRA magnitude "
+                             f"({_PREFIX}{name}{_MAGNITUDE}) but the config's use_dora is false.")
     flat, treedef = jax.tree_util.tree_flatten_with_path(params, is_leaf=_engine.is_value)
     leaves = [leaf for _, leaf in flat]
     spec: list[Any] = [LORA_FREEZE] * len(leaves)
@@ -499,7 +534,20 @@ def load_peft(
                 a, b, m = _factors(n, e, lay, per_shape, path, m_hint)
                 if "base" in e:
                     _check_base(n, e["base"], lay, w, index if stacked else None, m, path)
-                got.append((a, b, m, _scale_of(config, n, e["A"].shape[0])))
+                mag = None
+                if use_dora:
+                    if len(group) > 1:
+                        raise ValueError(
+                            f"load_peft: {path!r} is one array used by modules {group}, each with "
+                            "its own DoRA magnitude over its own input axes; lorax's DoraWeight "
+                            "has one magnitude per array.")
+                    mag = _torch.magnitude_from_torch(lay, e["M"], per_shape, m)
+                    if mag is None:
+                        raise ValueError(
+                            f"load_peft: module {n!r}: its DoRA magnitude has shape "
+                            f"{tuple(e['M'].shape)}; {path!r} (shape {per_shape}, layout {lay!r}) "
+                            f"needs {_torch.magnitude_torch_shape(lay, per_shape, m)}.")
+                got.append((a, b, m, _scale_of(config, n, e["A"].shape[0]), mag, lay))
                 used.add(n)
             for n, other in zip(group[1:], got[1:]):
                 if other[2] != got[0][2] or not _same_update(
@@ -509,36 +557,49 @@ def load_peft(
                         "array, e.g. a tied embedding) but the adapter gives them different "
                         "updates, which lorax cannot apply to one array.")
             loaded[index] = got[0]
-        ms = {m for _, _, m, _ in loaded.values()}
+        ms = {m for _, _, m, _, _, _ in loaded.values()}
         if len(ms) > 1:
             raise ValueError(f"load_peft: the per-layer modules of {path!r} split its axes "
                              f"differently: {sorted(ms)}.")
         m = ms.pop()
         dtype = np.dtype(w.dtype) if jax.numpy.issubdtype(w.dtype, np.floating) else np.float32
+        lay = next(iter(loaded.values()))[5]
         if not stacked:
-            a, b, _, scale = loaded[0]
+            a, b, _, scale, mag, _ = loaded[0]
             n_b, k = 0, a.shape[0]
             alpha = scale * k
         else:
             n_b = 1
-            k = max(a.shape[0] for a, _, _, _ in loaded.values())
+            k = max(a.shape[0] for a, *_ in loaded.values())
             s_ref = next(iter(loaded.values()))[3]
             alpha = s_ref * k
             a_stack = np.zeros((shape[0], k, *per_shape[m:]), dtype)
             b_stack = np.zeros((shape[0], *per_shape[:m], k), dtype)
-            for layer, (la, lb, _, scale) in loaded.items():
+            for layer, (la, lb, _, scale, _, _) in loaded.items():
                 r = la.shape[0]
                 a_stack[layer, :r] = la
                 # One alpha per LoraWeight: a layer's own scale is folded into its b.
                 b_stack[layer, ..., :r] = lb * (scale / s_ref)
             a, b = a_stack, b_stack
+            mag = None
+            if use_dora:
+                mag = np.stack([loaded[i][4] if i in loaded else _norm(w, i, m, lay)
+                                for i in range(shape[0])]).astype(dtype)
         if isinstance(leaf, LoraWeight):
             a_sh, b_sh = _array_sharding(leaf.a), _array_sharding(leaf.b)
         else:
             a_sh, b_sh = factor_shardings(w, n_b, m) or (None, None)
-        leaves[i] = LoraWeight(w, a=place_host_array(np.asarray(a, dtype), a_sh),
-                               b=place_host_array(np.asarray(b, dtype), b_sh), alpha=float(alpha))
-        spec[i] = LoraSpec(int(k), float(alpha), n_b, m)
+        a = place_host_array(np.asarray(a, dtype), a_sh)
+        b = place_host_array(np.asarray(b, dtype), b_sh)
+        if mag is None:
+            leaves[i] = LoraWeight(w, a=a, b=b, alpha=float(alpha))
+            spec[i] = LoraSpec(int(k), float(alpha), n_b, m)
+        else:
+            m_sh = _array_sharding(leaf.m) if isinstance(leaf, DoraWeight) else None
+            leaves[i] = DoraWeight(w, a=a, b=b, m=place_host_array(np.asarray(mag, dtype), m_sh),
+                                   alpha=float(alpha))
+            spec[i] = LoraSpec(int(k), float(alpha), n_b, m, dora=True,
+                               input_factor="b" if _torch.output_side(lay) == "a" else "a")
     unused = sorted(set(modules) - used)
     if unused:
         names = [_torch.default_module_name(_torch.key_parts(p)) for p, leaf in flat

@@ -31,6 +31,9 @@ class LoftQ:
     best rank-`k` correction of its quantization error, alternating `iters` times
     `Q = quantize(W - s·B·A)` and `B, A = top-k SVD of (W - dequantize(Q)) / s`, so
     that `Q + s·B·A ≈ W` better than `Q` alone. `init="loftq"` is `LoftQ()`.
+    Directions the error does not need (a weight exactly representable in `qtype`,
+    e.g. one that was already quantized in that format) start as the default
+    initialisation (random input side, zero output side), so they still train.
 
     **Arguments:**
 
@@ -216,6 +219,16 @@ def _loftq(cfg: LoftQ, w: Any, w32: Array, ls: LoraSpec, scale: float, key: Arra
         err = (w32 - _as_matrix(q.dequantize(jnp.float32), nb, nm)) / scale
         u, s, vh = _top_k(_torch_oriented(err, input_factor), k, None, key)
         root = jnp.sqrt(s)
-        b_mat, a_mat = _split(u * root[..., None, :], root[..., :, None] * vh, input_factor)
+        out_side, in_side = u * root[..., None, :], root[..., :, None] * vh
+        b_mat, a_mat = _split(out_side, in_side, input_factor)
+    # A direction the error does not need (s = 0: W is exactly representable in qtype,
+    # e.g. it was already quantized in it, or the error has rank < k) would start with
+    # both factors zero, and a product of two zeros never gets a gradient. Such a
+    # direction starts as LoRA's default instead: a random input side, a zero output side
+    # (Q + s·B·A is unchanged).
+    dead = s * scale <= 1e-6 * jnp.max(jnp.abs(w32), axis=(-2, -1))[..., None]  # (*batch, k)
+    fresh = jax.random.normal(jax.random.fold_in(key, 1), in_side.shape) / math.sqrt(in_side.shape[-1])
+    in_side = jnp.where(dead[..., :, None], fresh, in_side)
+    b_mat, a_mat = _split(out_side, in_side, input_factor)
     a, b = _from_factors(b_mat.astype(dtype), a_mat.astype(dtype), shape, nb, nm)
     return q, a, b

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import math
 import pathlib
 import sys
@@ -80,15 +81,13 @@ def test_quick_run(train_module, tmp_path):
 
 
 def test_quick_run_with_every_variant(train_module, tmp_path):
-    """--dora --init pissa --dropout --loraplus together, on the QLoRA base: PiSSA's
-    residual re-quantized in Q4_1, DoRA magnitudes trained and saved, no adapter exported
-    for the original base (this run's w changed)."""
-    res = train_module.main(["--quick", "--dora", "--init", "pissa", "--dropout", "0.1",
-                             "--loraplus", "4", "--no-compare-dense", "--no-llamacpp",
-                             "--out", str(tmp_path)])
-    assert res["variant"] == "init pissa, DoRA, dropout 0.1, LoRA+ 4"
+    """--dora --dropout --loraplus together on the QLoRA base: DoRA magnitudes trained,
+    saved and exported as PEFT's use_dora (llama.cpp has no DoRA: no GGUF adapter)."""
+    res = train_module.main(["--quick", "--dora", "--dropout", "0.1", "--loraplus", "4",
+                             "--no-compare-dense", "--no-llamacpp", "--out", str(tmp_path)])
+    assert res["variant"] == "DoRA, dropout 0.1, LoRA+ 4"
     assert 1.0 < res["ppl_before"] < 1000.0 and math.isfinite(res["ppl_after"])
-    assert res["peft_adapter"] is None and res["gguf_adapter"] is None
+    assert res["gguf_adapter"] is None
     from safetensors import safe_open
 
     with safe_open(res["adapter"], "np") as f:
@@ -96,6 +95,35 @@ def test_quick_run_with_every_variant(train_module, tmp_path):
         meta = f.metadata()
     assert m.shape == (30, 1, 576)  # one magnitude per output feature and layer
     assert '"kind": "dora"' in meta["entries"]
+    peft_dir = pathlib.Path(res["peft_adapter"])
+    assert json.loads((peft_dir / "adapter_config.json").read_text())["use_dora"] is True
+    with safe_open(str(peft_dir / "adapter_model.safetensors"), "np") as f:
+        mags = [k for k in f.keys() if k.endswith(".lora_magnitude_vector")]
+        np.testing.assert_array_equal(
+            f.get_tensor("base_model.model.model.layers.3.self_attn.q_proj.lora_magnitude_vector"),
+            m[3].reshape(-1))
+    assert len(mags) == 30 * 7
+
+
+@pytest.mark.slow  # ~2-3 min each on 2 cores: the SVD / QR of all 210 kernels
+@pytest.mark.parametrize("flags", [["--init", "pissa"], ["--init", "loftq", "--base-qtype", "nf4"]],
+                         ids=["qpissa", "loftq"])
+def test_quick_run_with_a_base_changing_init(train_module, tmp_path, flags):
+    """PiSSA's residual re-quantized in the GGUF's Q4_1; LoftQ quantizing the dequantized
+    Q4_1 kernels in NF4 itself. The frozen w changed: no adapter is exported for the
+    original base. Training moves the model (LoftQ in Q4_1 again had no error to
+    correct, left both factors zero, and trained nothing)."""
+    res = train_module.main(["--quick", *flags, "--no-compare-dense", "--no-llamacpp",
+                             "--steps", "3", "--out", str(tmp_path)])
+    assert res["peft_adapter"] is None and res["gguf_adapter"] is None
+    assert res["base"] == ("nf4" if "--base-qtype" in flags else "q4_1")
+    assert 1.0 < res["ppl_before"] < 1000.0 and math.isfinite(res["ppl_after"])
+    assert res["ppl_after"] != res["ppl_before"]
+    from safetensors import safe_open
+
+    with safe_open(res["adapter"], "np") as f:
+        b = f.get_tensor("['layers']['q'].b")
+    assert np.abs(b).max() > 0
 
 
 def test_plain_text_and_tokenizer_round_trip(train_module):

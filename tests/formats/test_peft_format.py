@@ -243,7 +243,8 @@ def test_error_wrong_shape_names_the_module(tmp_path):
 
 
 @pytest.mark.parametrize("key, arr, match", [
-    ("model.q_proj.lora_magnitude_vector", np.ones(6, np.float32), r"'model\.q_proj' has DoRA"),
+    ("model.q_proj.lora_magnitude_vector", np.ones(6, np.float32),
+     r"'model\.q_proj' has a DoRA magnitude .*use_dora is false"),
     ("model.q_proj.lora_B.bias", np.ones(6, np.float32), r"'model\.q_proj' has a bias on lora_B"),
     ("model.q_proj.lora_C.weight", np.ones((2, 8), np.float32), r"'base_model\.model\.model\.q_proj\.lora_C\.weight' is not a LoRA factor"),
 ])
@@ -257,7 +258,7 @@ def test_error_unknown_tensor_names_the_module(tmp_path, key, arr, match):
 
 
 @pytest.mark.parametrize("entry, match", [
-    ({"use_dora": True}, r"DoRA \(use_dora\)"),
+    ({"use_dora": True}, r"use_dora but module 'model\.q_proj' has no DoRA magnitude"),
     ({"peft_type": "IA3"}, r"peft_type 'IA3'"),
     ({"modules_to_save": ["lm_head"]}, r"modules_to_save"),
     ({"init_lora_weights": "pissa_niter_4"}, r"changes the base weights"),

@@ -14,6 +14,9 @@ main environment has no torch, so the module skips there.
 - the committed fixtures in tests/data/peft/ (what tests/formats/test_peft_fixtures.py
   checks in the main env, without torch) still match what real PEFT produces from them.
   `LORAX_WRITE_PEFT_FIXTURES=1` regenerates them first;
+- DoRA (`use_dora`, `lora_magnitude_vector`): a DoRA adapter trained with lorax on the
+  tiny Llama (Linear and Embedding modules) loaded by PEFT, a PEFT-made one (magnitudes
+  moved off their initial norms) loaded by lorax, and Conv2d DoRA both ways;
 - tied embeddings: the tiny Llama with `tie_word_embeddings=True` against llama.py's tied
   model (no 'lm_head': the logits use `embed.T`), a LoRA on the one embedding array
   exported as PEFT's embed_tokens *and* lm_head modules (`module_name` / `layout` tuples);
@@ -131,11 +134,11 @@ def tiny(tmp_path_factory) -> Tiny:
     return make_tiny(tmp_path_factory.mktemp("tiny_llama"))
 
 
-def train_flax(tiny: Tiny, steps: int = 30, seed: int = 0):
+def train_flax(tiny: Tiny, steps: int = 30, seed: int = 0, dora: bool = False):
     """A lorax LoRA adapter trained on random token chains (a fixed random successor of
     each token): every factor clearly non-zero."""
     spec = lorax.simple_spec(tiny.params, targets=LORAX_TARGETS)
-    lora_params = lorax.init_lora(tiny.params, spec, jax.random.PRNGKey(seed), stddev=0.1)
+    lora_params = lorax.init_lora(tiny.params, spec, jax.random.PRNGKey(seed), stddev=0.1, dora=dora)
     trainable, frozen = lorax.partition(lora_params, spec)
     optimizer = optax.adam(3e-2)
     opt_state = optimizer.init(trainable)
@@ -684,3 +687,113 @@ def test_committed_tied_fixtures_match_real_peft(tmp_path):
     diff = max_diff(torch_logits(model, ids), np.load(DATA / "tied" / "lorax_made_logits.npy"))
     report("fixtures: PeftModel(tied/lorax_made) vs tied/lorax_made_logits.npy", diff)
     assert diff <= 1e-5
+
+
+# ---------------------------------------------------------------- DoRA
+
+def _move_magnitudes(model, seed: int = 0) -> int:
+    """PEFT initialises DoRA's magnitude to ||W + s·B·A||, where DoRA equals plain LoRA:
+    scale each one randomly, as training would move it. Returns how many there are."""
+    gen = torch.Generator().manual_seed(seed)
+    n = 0
+    for module in model.modules():
+        mags = getattr(module, "lora_magnitude_vector", None)
+        if mags is not None and "default" in mags:
+            weight = mags["default"].weight
+            with torch.no_grad():
+                weight.mul_(0.5 + torch.rand(weight.shape, generator=gen))
+            n += 1
+    return n
+
+
+def test_dora_export_trained_flax_llama_to_peft(tiny, tmp_path):
+    lora_params, _ = train_flax(tiny, dora=True)
+    dora = [x for x in jax.tree.leaves(lora_params, is_leaf=lambda x: isinstance(x, lorax.DoraWeight))
+            if isinstance(x, lorax.DoraWeight)]
+    assert len(dora) == 2 * 7 + 2
+    lorax.save_peft(tmp_path, lora_params, base_model_name_or_path=str(tiny.dir))
+    config = json.loads((tmp_path / "adapter_config.json").read_text())
+    assert config["use_dora"] is True
+    model = peft.PeftModel.from_pretrained(tiny.torch_model(), str(tmp_path)).eval()
+    saved = safetensors.torch.load_file(str(tmp_path / "adapter_model.safetensors"))
+    assert sum(k.endswith(".lora_magnitude_vector") for k in saved) == 2 * 7 + 2
+    in_model = {"base_model.model." + k.removeprefix("base_model.model."): v
+                for k, v in peft.get_peft_model_state_dict(model, save_embedding_layers=False).items()}
+    assert set(in_model) == set(saved) and all(torch.equal(in_model[k], saved[k]) for k in saved)
+    got = torch_logits(model, tiny.ids)
+    want = np.asarray(tiny.lora_apply(lora_params, tiny.ids))
+    diff = max_diff(got, want)
+    report("DoRA export: PeftModel(use_dora) vs lorax.lora(FlaxLlama)", diff)
+    assert diff <= TOL
+    # Negative control: the same factors without the magnitudes are a different model.
+    plain = jax.tree.map(lambda x: lorax.LoraWeight(x.w, x.a, x.b, x.alpha)
+                         if isinstance(x, lorax.DoraWeight) else x, lora_params,
+                         is_leaf=lambda x: isinstance(x, lorax.DoraWeight))
+    control = max_diff(got, tiny.lora_apply(plain, tiny.ids))
+    report("DoRA control: PeftModel(use_dora) vs the same factors as plain LoRA", control)
+    assert control > 100 * TOL
+
+
+def test_dora_import_peft_made_adapter_onto_flax_llama(tiny, tmp_path):
+    torch.manual_seed(0)
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=TORCH_TARGETS,
+                             init_lora_weights=False, rank_pattern=RANK_PATTERN,
+                             alpha_pattern=ALPHA_PATTERN, use_dora=True, task_type="CAUSAL_LM")
+    model = peft.get_peft_model(tiny.torch_model(), config).eval()
+    with torch.no_grad():
+        model(input_ids=torch.from_numpy(tiny.ids.astype(np.int64)))  # DoRA sets m on first use
+    lora_logits = torch_logits(model, tiny.ids)                      # m = ||V||: plain LoRA
+    assert _move_magnitudes(model) == 2 * 7 + 2
+    want = torch_logits(model, tiny.ids)
+    assert max_diff(want, lora_logits) > 1000 * TOL
+    model.save_pretrained(str(tmp_path))
+
+    lora_params, spec = lorax.load_peft(tmp_path, tiny.params)
+    q0 = lora_params["model"]["layers"]["0"]["self_attn"]["q_proj"]["kernel"]
+    assert isinstance(q0, lorax.DoraWeight) and q0.m.shape == (1, 64)
+    assert spec["model"]["layers"]["0"]["self_attn"]["q_proj"]["kernel"].dora
+    got = np.asarray(tiny.lora_apply(lora_params, tiny.ids))
+    diff = max_diff(got, want)
+    report("DoRA import: lorax.load_peft vs PeftModel(use_dora)", diff)
+    assert diff <= TOL
+
+
+def test_dora_conv_both_ways(tmp_path):
+    tmodel, variables, x = _conv_pair()
+    fmodel = FlaxConvNet()
+    x_nhwc = x.transpose(0, 2, 3, 1)
+    lora_apply = lorax.lora(fmodel.apply, on_materialize="error")
+
+    # PEFT -> lorax
+    torch.manual_seed(1)
+    pmodel = peft.get_peft_model(tmodel, peft.LoraConfig(
+        r=3, lora_alpha=5, target_modules=["conv1", "conv2"], init_lora_weights=False,
+        use_dora=True)).eval()
+    _torch_conv_out(pmodel, x)  # DoRA sets m on first use
+    assert _move_magnitudes(pmodel) == 2
+    want = _torch_conv_out(pmodel, x)
+    pmodel.save_pretrained(str(tmp_path / "peft"))
+    lora_vars, _ = lorax.load_peft(tmp_path / "peft", variables)
+    assert lora_vars["params"]["conv1"]["kernel"].m.shape == (1, 1, 1, 8)
+    diff = max_diff(lora_apply(lora_vars, x_nhwc), want)
+    report("DoRA conv import: lorax.load_peft vs PEFT Conv2d(use_dora)", diff)
+    assert diff <= 1e-5 * max(1.0, float(np.abs(want).max()))
+
+    # lorax -> PEFT: factors and magnitudes away from init.
+    spec = {"params": {n: {"kernel": lorax.LoraSpec(2, alpha=4.0, dora=True), "bias": 0}
+                       for n in ("conv1", "conv2")}}
+    lp = lorax.init_lora(variables, spec, jax.random.PRNGKey(0), stddev=0.1)
+    keys = iter(jax.random.split(jax.random.PRNGKey(3), 8))
+    lp = jax.tree.map(lambda d: lorax.DoraWeight(
+        d.w, d.a, 0.1 * jax.random.normal(next(keys), d.b.shape),
+        d.m * jax.random.uniform(next(keys), d.m.shape, minval=0.5, maxval=1.5), d.alpha)
+        if isinstance(d, lorax.DoraWeight) else d, lp, is_leaf=lambda d: isinstance(d, lorax.DoraWeight))
+    layout = {"params/conv1/kernel": "conv_in_out", "params/conv2/kernel": "conv_in_out"}
+    lorax.save_peft(tmp_path / "lorax", lp, layout=layout)
+    tmodel2, _, _ = _conv_pair()
+    pmodel2 = peft.PeftModel.from_pretrained(tmodel2, str(tmp_path / "lorax")).eval()
+    got = _torch_conv_out(pmodel2, x)
+    want = np.asarray(lora_apply(lp, x_nhwc))
+    diff = max_diff(got, want)
+    report("DoRA conv export: PEFT Conv2d(use_dora) vs lorax flax Conv", diff)
+    assert diff <= 1e-5 * max(1.0, float(np.abs(want).max()))

@@ -119,6 +119,25 @@ def test_loftq_beats_plain_quantization_and_improves_with_iterations():
     assert lorax.init_lora({"w": w}, spec, jax.random.PRNGKey(0), init="loftq")["w"].w.qtype == "nf4"
 
 
+@pytest.mark.parametrize("input_factor", ["b", "a"])
+def test_loftq_on_an_exactly_representable_weight_still_trains(input_factor):
+    """A weight already in the format (a dequantized Q4_1 GGUF kernel re-quantized in
+    Q4_1) has no error: LoftQ's SVD gives zero directions, and two zero factors never
+    get a gradient. Those directions start as the default init instead."""
+    spec = {"w": lorax.LoraSpec(4, input_factor=input_factor)}
+    w = lorax.quantize({"w": _n(64, 32)}, spec, "q4_1")["w"].dequantize()
+    lw = lorax.init_lora({"w": w}, spec, jax.random.PRNGKey(0), init=lorax.LoftQ("q4_1"))["w"]
+    np.testing.assert_array_equal(lw.materialize(), w)  # Q == W, and the update is zero
+    out_side, in_side = (lw.a, lw.b) if input_factor == "b" else (lw.b, lw.a)
+    assert float(jnp.abs(out_side).max()) == 0.0 and float(jnp.abs(in_side).min()) > 0.0
+    x = _n(3, 64) if input_factor == "b" else _n(32, 3)
+    f = (lambda p: jnp.sum(jnp.tanh(x @ p["w"]))) if input_factor == "b" else \
+        (lambda p: jnp.sum(jnp.tanh(p["w"] @ x)))
+    g = jax.grad(lambda t: lorax.lora(f)({"w": lorax.LoraWeight(lw.w, t[0], t[1], lw.alpha)}))(
+        (lw.a, lw.b))
+    assert float(jnp.abs(g[0] if input_factor == "b" else g[1]).max()) > 0.0  # it trains
+
+
 def test_qpissa_requantizes_the_residual():
     """PiSSA on the dense weight, then the residual quantized: the factors carry the
     top singular directions at full precision (QPiSSA)."""
