@@ -1,4 +1,4 @@
-"""Run the benchmarks (memory, trace time, dispatch, speed, blocks, qlora, variants); results under `benchmarks/results/`.
+"""Run the benchmarks (memory, trace time, dispatch, speed, blocks, qlora, variants, moe, adapters); results under `benchmarks/results/`.
 
     python -m benchmarks                      # everything, default sizes (~20 min on 2 cores + blocks)
     python -m benchmarks --quick              # smoke run of every benchmark
@@ -21,10 +21,11 @@ if __package__ in (None, ""):
     __package__ = "benchmarks"
 
 from . import _common as C  # noqa: E402
-from . import blocks, dispatch, memory, qlora, speed, trace_time, variants  # noqa: E402
+from . import adapters, blocks, dispatch, memory, moe, qlora, speed, trace_time, variants  # noqa: E402
 
 BENCHMARKS = {"memory": memory, "trace_time": trace_time, "dispatch": dispatch, "speed": speed,
-              "blocks": blocks, "qlora": qlora, "variants": variants}
+              "blocks": blocks, "qlora": qlora, "variants": variants, "moe": moe,
+              "adapters": adapters}
 
 
 def main(argv: list[str] | None = None) -> Path:

@@ -1,6 +1,7 @@
 """lorax: LoRA for any JAX function."""
 
 from ._adapter import load_adapter as load_adapter, save_adapter as save_adapter
+from ._arith import add_weighted_adapter as add_weighted_adapter
 from ._engine import (
     LoraMaterializationError as LoraMaterializationError,
     LoraMaterializationWarning as LoraMaterializationWarning,
@@ -19,6 +20,13 @@ from ._params import (
     merge_params as merge_params,
     partition as partition,
     split_lora_params as split_lora_params,
+)
+from ._stack import (
+    adapter_axes as adapter_axes,
+    mixed_batch as mixed_batch,
+    select_adapters as select_adapters,
+    stack_adapters as stack_adapters,
+    unstack_adapters as unstack_adapters,
 )
 from ._spec import (
     LORA_FREEZE as LORA_FREEZE,
@@ -49,6 +57,8 @@ __all__ = [
     "LoraWeight",
     "QuantizedArray",
     "SpecSummary",
+    "adapter_axes",
+    "add_weighted_adapter",
     "combine",
     "dropout",
     "infer_layout",
@@ -58,13 +68,17 @@ __all__ = [
     "lora",
     "loraplus",
     "merge_params",
+    "mixed_batch",
     "partition",
     "quantize",
     "save_adapter",
     "save_gguf_lora",
     "save_peft",
+    "select_adapters",
     "simple_spec",
     "split_lora_params",
+    "stack_adapters",
     "summary",
+    "unstack_adapters",
     "wrap_optimizer",
 ]

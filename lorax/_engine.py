@@ -13,6 +13,7 @@ private surface, and what breaks without it:
 | `quax._values._DenseArrayValue`, `_dense` | wrapping plain arrays on a quax trace |
 | `jax._src.core` (`set_current_trace`, `take_current_trace`, `pvary_p`) | re-entering traces; the `pvary` rule |
 | `jax._src.ad_checkpoint.remat_p` | the `checkpoint` rule |
+| `jax._src.lax.lax.ragged_dot_general_p` | the `ragged_dot` rule (MoE experts; optional: `None` where absent) |
 | `equinox._module._module.jtu` | `LoraWeight`'s own (fast) pytree registration, see `FastPytreeMeta` |
 
 `SUPPORTED` holds the versions this surface is tested with (the package's
@@ -83,6 +84,8 @@ try:
     from quax import _trace as _quax_trace
     from quax._values import _DenseArrayValue, _dense
 
+    from jax._src.lax import lax as _lax_internal
+
     remat_p = _ad_checkpoint.remat_p
     pvary_p = _core.pvary_p
     _core.set_current_trace, _core.take_current_trace  # noqa: B018
@@ -91,6 +94,10 @@ try:
     _eqx_module.jtu.register_pytree_with_keys  # noqa: B018
 except (ImportError, AttributeError) as _err:
     raise _internals_moved(_err) from _err
+
+# `lax.ragged_dot` / `ragged_dot_general`'s primitive is not public; a JAX without it
+# has no ragged_dot for a rule to catch either.
+ragged_dot_general_p = getattr(_lax_internal, "ragged_dot_general_p", None)
 
 if unsupported_versions():
     warnings.warn(
@@ -113,6 +120,7 @@ __all__ = [
     "materialize_fallback",
     "materialize_policy",
     "pvary_p",
+    "ragged_dot_general_p",
     "register",
     "register_shard_map_rule",
     "remat_p",

@@ -22,7 +22,7 @@ from jax import Array
 from jax.typing import ArrayLike
 
 from . import _engine
-from ._spec import LoraSpec, as_lora_spec, check_spec_structure, path_str
+from ._spec import as_lora_spec, check_spec_structure, path_str
 
 # One trace's observations: tag -> list of (batch axes, first group, second group,
 # what was seen), axes numbered as in the original weight.
@@ -91,6 +91,18 @@ def _(lhs: _Probe, rhs: _Probe, *, dimension_numbers: Any, **params: Any) -> Any
         batch, contract = _dot_roles(is_lhs, p.ndim, dimension_numbers)
         _record(p, batch, contract, "dot_general")
     return lax.dot_general_p.bind(lhs.w, rhs.w, dimension_numbers=dimension_numbers, **params)
+
+
+if _engine.ragged_dot_general_p is not None:
+    @_engine.register(_engine.ragged_dot_general_p)
+    def _(lhs: ArrayLike, rhs: _Probe, group_sizes: ArrayLike, *rest: ArrayLike,
+          **params: Any) -> Any:
+        # A MoE expert weight: its group axes (experts) are batch axes, one set of
+        # factors per expert.
+        dn = params["ragged_dot_dimension_numbers"]
+        (_, rc), (_, rb) = dn.dot_dimension_numbers
+        _record(rhs, {*rb, *dn.rhs_group_dimensions}, set(rc), "ragged_dot_general")
+        return _engine.ragged_dot_general_p.bind(lhs, rhs.w, group_sizes, *rest, **params)
 
 
 @_engine.register(lax.conv_general_dilated_p)

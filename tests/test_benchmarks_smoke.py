@@ -8,6 +8,8 @@ import importlib.util
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
@@ -84,6 +86,7 @@ def test_dispatch_quick(tmp_path):
     assert "`lorax` / `dict`" in (tmp_path / "dispatch.md").read_text()
 
 
+@pytest.mark.slow  # ~30 s: the block grid's own smoke run (structural checks: test_structure_backward.py)
 def test_blocks_quick(tmp_path):
     blocks.main(["--quick", "--out", str(tmp_path)])
     rows = _rows(tmp_path / "blocks.csv")
@@ -102,6 +105,7 @@ def test_blocks_quick(tmp_path):
         assert (tmp_path / "blocks.png").stat().st_size > 0
 
 
+@pytest.mark.slow  # ~26 s (the naive-vs-lorax memory contrast: test_quant_memory.py)
 def test_qlora_quick(tmp_path):
     qlora.main(["--quick", "--models", "mlp,scan", "--out", str(tmp_path)])
     rows = _rows(tmp_path / "qlora.csv")
@@ -129,3 +133,27 @@ def test_variants_quick(tmp_path):
     # beyond plain LoRA's.
     assert float(by["dora"]["extra_temp_layers"]) < 0.5
     assert "`dora` / lora" in (tmp_path / "variants.md").read_text()
+
+
+def test_moe_quick(tmp_path):
+    from benchmarks import moe
+
+    moe.main(["--quick", "--out", str(tmp_path)])
+    (row,) = _rows(tmp_path / "moe.csv")
+    # Structural (deterministic): lorax's step holds no more temporaries than hand-written
+    # per-expert LoRA.
+    assert float(row["temp_lorax_stacks"]) <= float(row["temp_hand_stacks"]) * 1.05
+    assert "lorax / hand" in (tmp_path / "moe.md").read_text()
+
+
+def test_adapters_quick(tmp_path):
+    from benchmarks import adapters
+
+    adapters.main(["--quick", "--no-llama", "--out", str(tmp_path)])
+    (row,) = _rows(tmp_path / "adapters_mixed.csv")
+    assert row["cell"].startswith("mlp")
+    (side,) = _rows(tmp_path / "adapters_side.csv")
+    # (At this tiny size the batches and Adam state outweigh the base; the base-once
+    # property is asserted at d=256 in tests/test_stack.py.)
+    assert float(side["arguments_over_base"]) > 1 and float(side["together_over_separate"]) > 0
+    assert "together / separate" in (tmp_path / "adapters.md").read_text()

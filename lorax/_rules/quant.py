@@ -75,9 +75,9 @@ def _rebuild(like: QuantizedArray, leaves: tuple, **static: Any) -> QuantizedArr
     return QuantizedArray(codes, scales, mins, scale_scales=ss, scale_offset=so, **meta)
 
 
-def _dense_storage(meta: "_Meta", leaves: tuple, dep: Array) -> Array:
+def _dense_storage(meta: "_Meta", leaves: tuple, dep: Array | None) -> Array:
     codes, scales, mins, ss, so = leaves
-    qa = QuantizedArray(_after(codes, dep), scales, mins, scale_scales=ss, scale_offset=so,
+    qa = QuantizedArray(codes if dep is None else _after(codes, dep), scales, mins, scale_scales=ss, scale_offset=so,
                         qtype=meta.qtype, block_size=meta.block_size, axis=meta.axis,
                         dense_dtype=meta.dense_dtype)
     return qa.dequantize_storage()
@@ -123,20 +123,28 @@ class _DotPlan:
 # `x_dtype` and `meta`.
 
 
+def _plan_storage(plan: Any, leaves: tuple, dep: Array) -> Array:
+    # A plan with `tie = False` dequantizes without the data dependence (see _RaggedPlan).
+    return _dense_storage(plan.meta, leaves, dep if getattr(plan, "tie", True) else None)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _qlinear(plan: Any, x: Array, leaves: tuple) -> Array:
-    return plan.apply(_dense_storage(plan.meta, leaves, x), x)
+def _qlinear(plan: Any, x: Array, leaves: tuple, aux: tuple = ()) -> Array:
+    return plan.apply(_plan_storage(plan, leaves, x), x, *aux)
 
 
-def _qlinear_fwd(plan: Any, x: Array, leaves: tuple) -> tuple[Array, tuple]:
-    return plan.apply(_dense_storage(plan.meta, leaves, x), x), leaves
+def _qlinear_fwd(plan: Any, x: Array, leaves: tuple, aux: tuple = ()) -> tuple[Array, tuple]:
+    return plan.apply(_plan_storage(plan, leaves, x), x, *aux), (leaves, aux)
 
 
-def _qlinear_bwd(plan: Any, leaves: tuple, dy: Array) -> tuple[Array, Any]:
-    w = _dense_storage(plan.meta, leaves, dy)
+def _qlinear_bwd(plan: Any, res: tuple, dy: Array) -> tuple[Array, Any, Any]:
+    # `aux`: further operands the op is not differentiated in (a ragged_dot's group sizes).
+    leaves, aux = res
+    w = _plan_storage(plan, leaves, dy)
     aval = jax.ShapeDtypeStruct(plan.x_shape, plan.x_dtype)
-    (dx,) = jax.linear_transpose(functools.partial(plan.apply, w), aval)(dy)
-    return dx, jax.tree_util.tree_map(_zero_cotangent, leaves)
+    (dx,) = jax.linear_transpose(lambda x: plan.apply(w, x, *aux), aval)(dy)
+    zero = functools.partial(jax.tree_util.tree_map, _zero_cotangent)
+    return dx, zero(leaves), zero(aux)
 
 
 def _zero_cotangent(x: Array) -> Array:
@@ -224,6 +232,55 @@ def _(lhs: ArrayLike, rhs: QuantizedArray, **params: Any) -> Any:
     lhs = jnp.asarray(lhs)
     plan = _ConvPlan(_meta(rhs), rhs.ndim, tuple(lhs.shape), jnp.dtype(lhs.dtype), items)
     return _qlinear(plan, lhs, _leaves(rhs))
+
+
+# -- ragged_dot: quantized expert weights (MoE) ---------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _RaggedPlan:
+    meta: _Meta
+    ndim: int
+    x_shape: tuple[int, ...]
+    x_dtype: Any
+    params: tuple
+    # No `_after` tie: XLA:CPU runs a ragged_dot as per-group products and fuses each
+    # group's dequantization into its own; the tie blocks that fusion and leaves a whole
+    # dense expert stack in temporaries (tests/test_ragged.py: 0.69 vs 1.47 stacks). The
+    # custom_vjp still keeps only the quantized leaves for the backward pass.
+    tie: bool = False
+
+    def apply(self, w: Array, x: Array, group_sizes: Array, *rest: Array) -> Array:
+        params = dict(self.params)
+        dn = params["ragged_dot_dimension_numbers"]
+        (lc, rc), (lb, rb) = dn.dot_dimension_numbers
+        block = self.ndim + self.meta.axis
+        order = [d for d in range(self.ndim) if d != block] + [block]  # storage's axes
+        where = order.index
+        free = [d for d in range(self.ndim) if d not in (*rc, *rb, *dn.rhs_group_dimensions)]
+        if sorted(free, key=where) != free:  # the output would come out in another order
+            return _engine.ragged_dot_general_p.bind(
+                x, jnp.moveaxis(w, -1, block), group_sizes, *rest, **params)
+        # The storage layout as it is (block axis last): no transposed copy of the weight.
+        params["ragged_dot_dimension_numbers"] = lax.RaggedDotDimensionNumbers(
+            dot_dimension_numbers=((lc, tuple(map(where, rc))), (lb, tuple(map(where, rb)))),
+            lhs_ragged_dimensions=dn.lhs_ragged_dimensions,
+            rhs_group_dimensions=tuple(map(where, dn.rhs_group_dimensions)))
+        return _engine.ragged_dot_general_p.bind(x, w, group_sizes, *rest, **params)
+
+
+if _engine.ragged_dot_general_p is not None:
+    @_engine.register(_engine.ragged_dot_general_p)
+    def _(lhs: ArrayLike, rhs: QuantizedArray, group_sizes: ArrayLike, *rest: ArrayLike,
+          **params: Any) -> Any:
+        why = _dot_ok(params)
+        if why or _engine.is_value(lhs):
+            return _engine.materialize_fallback(_engine.ragged_dot_general_p,
+                                                [lhs, rhs, group_sizes, *rest], params, why)
+        lhs = jnp.asarray(lhs)
+        plan = _RaggedPlan(_meta(rhs), rhs.ndim, tuple(lhs.shape), jnp.dtype(lhs.dtype),
+                           tuple(sorted(params.items())))
+        return _qlinear(plan, lhs, _leaves(rhs), (jnp.asarray(group_sizes), *map(jnp.asarray, rest)))
 
 
 # -- gather: point lookups (embedding rows) ----------------------------------------------

@@ -29,6 +29,7 @@ from .._variants.dora import DoraWeight, magnitude_shape, magnitude_side
 from .._variants.dropout import LoraDropout
 from .._weight import LoraWeight
 from ._contract import dot_labels
+from . import ragged as _ragged
 from .conv import lora_conv
 from .dot import _dot_params, lora_contract
 from .._sharding import varying_axes
@@ -99,6 +100,56 @@ def _(lhs: Adapted, rhs: ArrayLike, *, dimension_numbers: Any, precision: Any,
 def _(lhs: ArrayLike, rhs: Adapted, *, dimension_numbers: Any, precision: Any,
       preferred_element_type: Any, **params: Any) -> Any:
     return _dot(rhs, lhs, False, dimension_numbers, precision, preferred_element_type, params)
+
+
+# -- ragged_dot (MoE experts) ---------------------------------------------------------------
+
+
+def _ragged_g(ad: Adapted, x: Any, group_sizes: Any, dn: Any) -> Array | None:
+    """DoRA's `g` for each output row of a ragged product: the row's group's `g`, laid
+    out against the output; `None` when `g` is not along the output features of a
+    weight whose one batch axis is the group axis."""
+    lw = ad.lw
+    nb = lw.structure[0]
+    (lc, rc), (lb, rb) = dn.dot_dimension_numbers
+    side = _side_axes(ad)
+    if nb != 1 or tuple(dn.rhs_group_dimensions) != (0,) or rb or set(side) & set(rc):
+        return None
+    ndim = jnp.ndim(x)
+    free = [d for d in range(ndim) if d not in lc and d not in lb]
+    ragged = dn.lhs_ragged_dimensions[0]
+    rows = jnp.shape(x)[ragged]
+    groups = ad.g.reshape(ad.g.shape[0], *(ad.g.shape[d] for d in side))  # (E, *out)
+    row_group = jnp.repeat(jnp.arange(groups.shape[0]), group_sizes, total_repeat_length=rows)
+    g_rows = groups[row_group]                                             # (rows, *out)
+    shape = [1] * (len(lb) + len(free)) + list(g_rows.shape[1:])
+    shape[len(lb) + free.index(ragged)] = rows
+    return g_rows.reshape(shape)
+
+
+if _ragged.ragged_dot_general_p is not None:
+    @_engine.register(_ragged.ragged_dot_general_p)
+    def _(lhs: ArrayLike, rhs: Adapted, group_sizes: ArrayLike, *rest: ArrayLike,
+          **params: Any) -> Any:
+        dn = params["ragged_dot_dimension_numbers"]
+        x_low = None if rhs.key is None else drop(lhs, rhs.key, rhs.rate)
+        if rhs.g is None:
+            return _ragged.rule(lhs, rhs.lw, group_sizes, rest, params, x_low)
+        g = _ragged_g(rhs, lhs, group_sizes, dn)
+        if g is None:
+            return _engine.materialize_fallback(
+                _ragged.ragged_dot_general_p, [lhs, rhs, group_sizes, *rest], params,
+                "DoRA on a ragged product needs one group axis and g along the output")
+        y = _ragged.rule(lhs, rhs.lw, group_sizes, rest, params, x_low)
+        return y * g.astype(y.dtype)
+
+    for _cls in (DoraWeight, LoraDropout):
+        @_engine.register(_ragged.ragged_dot_general_p)
+        def _(lhs: ArrayLike, rhs: _cls, group_sizes: ArrayLike, *rest: ArrayLike,  # type: ignore[valid-type]
+              **params: Any) -> Any:
+            return _engine.call(
+                lambda x, w, gs, *r: _ragged.ragged_dot_general_p.bind(x, w, gs, *r, **params),
+                lhs, adapt(rhs), group_sizes, *rest)
 
 
 # -- conv ----------------------------------------------------------------------------------

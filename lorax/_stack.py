@@ -1,0 +1,365 @@
+"""Many adapters over one base: stacked factors, a different adapter per example, and
+adapters trained side by side.
+
+A *stack* of `N` adapters is an ordinary LoRA tree whose `LoraWeight`s carry a leading
+adapter axis on `a` and `b` only: `w` is held once. It is a batch of `N` LoRA trees in
+JAX's batched-pytree convention (what `jax.vmap` of a function returning a LoRA tree
+would give, with `w` left unbatched), so it goes through `jax.vmap` with
+`in_axes=lorax.adapter_axes(stack)`:
+
+- *side-by-side training*: `vmap` a training step over the adapter axis, each adapter
+  with its own optimizer state, data and hyper-parameters; the base matmul of every
+  adapter's batch is one matmul against the one `w`;
+- *mixed batches*: `select_adapters(stack, ids)` gathers each example's factors, and
+  `vmap` over the examples runs the base matmul once for the whole batch and the
+  low-rank part per example (`lorax.mixed_batch` does both).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import Array
+
+from . import _engine
+from ._spec import path_str
+from ._transform import lora
+from ._variants.dora import DoraWeight
+from ._weight import LoraWeight
+
+
+def _is_lora(x: Any) -> bool:
+    return isinstance(x, LoraWeight)
+
+
+def _same_base(x: Any, y: Any) -> bool:
+    if x is y:
+        return True
+    lx, tx = jax.tree_util.tree_flatten(x)
+    ly, ty = jax.tree_util.tree_flatten(y)
+    if tx != ty:
+        return False
+    for u, v in zip(lx, ly):
+        if u is v:
+            continue
+        if jnp.shape(u) != jnp.shape(v) or jnp.result_type(u) != jnp.result_type(v):
+            return False
+        if isinstance(u, jax.core.Tracer) or isinstance(v, jax.core.Tracer):
+            continue  # traced (under jit): values unknown, shapes and dtypes checked
+        if not bool(jnp.array_equal(u, v)):
+            return False
+    return True
+
+
+def stack_adapters(adapters: Sequence[Any]) -> Any:
+    """Stack `N` LoRA trees over the same base into one tree with an adapter axis.
+
+    Every `LoraWeight` of the result has `a: (N, *a.shape)` and `b: (N, *b.shape)` and
+    the one shared `w`; every other leaf is the adapters' common leaf. Ranks may differ
+    (zero-padded to the largest, as Punica does: the padded directions add nothing and,
+    with both factors zero, never train). So may scales (`alpha / rank`): they are then
+    folded into each `b` and the stack's scale is 1 — the same functions, but for an
+    optimizer a different parametrization, so adapters trained side by side should share
+    one scale (they then keep it). Use the stack under `jax.vmap` with
+    `in_axes=lorax.adapter_axes(stack)` (training side by side), or through
+    [`lorax.select_adapters`][] / [`lorax.mixed_batch`][] (a different adapter per example).
+
+    **Arguments:**
+
+    - `adapters`: LoRA parameter trees ([`lorax.init_lora`][], training,
+      [`lorax.load_adapter`][], [`lorax.load_peft`][]) over the same base: the same
+      structure, `LoraWeight`s at the same key paths with the same factorisation,
+      equal frozen weights (the same arrays, or arrays with equal values).
+
+    **Returns:**
+
+    The stacked tree.
+
+    **Raises:**
+
+    `ValueError` naming the key path where two adapters differ in structure, targets,
+    factorisation or base, or for a [`lorax.DoraWeight`][] (its magnitude is per
+    adapter and its norm per adapter: not stacked yet).
+
+    !!! Example
+
+        ```python
+        import jax, jax.numpy as jnp
+        import lorax
+
+        params = {"w": jnp.ones((8, 4))}
+        adapters = [lorax.init_lora(params, {"w": r}, jax.random.PRNGKey(r)) for r in (2, 4)]
+        stack = lorax.stack_adapters(adapters)
+        assert stack["w"].a.shape == (2, 4, 4) and stack["w"].w is params["w"]
+        ```
+    """
+    adapters = list(adapters)
+    if not adapters:
+        raise ValueError("stack_adapters: no adapters given.")
+    flat0, treedef = jax.tree_util.tree_flatten_with_path(adapters[0], is_leaf=_is_lora)
+    flats = [flat0]
+    for i, tree in enumerate(adapters[1:], 1):
+        flat, td = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_lora)
+        paths0 = [path_str(p) for p, _ in flat0]
+        paths = [path_str(p) for p, _ in flat]
+        diff = sorted(set(paths0) ^ set(paths))
+        if td == treedef and not diff:
+            diff = [f"{path_str(p)} ({type(x).__name__} vs {type(y).__name__})"
+                    for (p, x), (_, y) in zip(flat0, flat) if _is_lora(x) != _is_lora(y)]
+        if td != treedef or diff:
+            raise ValueError(
+                f"stack_adapters: adapter {i} has a different structure or different targets "
+                f"than adapter 0: {diff[:5] or 'the tree structures differ'}. Stacked "
+                "adapters need the same targets (init them from one spec).")
+        flats.append(flat)
+    out = []
+    for j, (path, leaf0) in enumerate(flat0):
+        where = path_str(path)
+        leaves = [flat[j][1] for flat in flats]
+        if not _is_lora(leaf0):
+            for i, leaf in enumerate(leaves[1:], 1):
+                if not _same_base(leaf0, leaf):
+                    raise ValueError(f"stack_adapters: {where!r} differs between adapter 0 and "
+                                     f"adapter {i}; stacked adapters share everything but their "
+                                     "factors.")
+            out.append(leaf0)
+            continue
+        for i, lw in enumerate(leaves):
+            if isinstance(lw, DoraWeight):
+                raise ValueError(
+                    f"stack_adapters: {where!r} in adapter {i} is a DoraWeight; DoRA's "
+                    "magnitude and norm are per adapter, which stacks do not carry yet. "
+                    "Merge it (lorax.merge_params) or use plain LoRA adapters.")
+            if lw.structure[:2] != leaf0.structure[:2] or lw.shape != leaf0.shape:
+                raise ValueError(
+                    f"stack_adapters: {where!r} is factored differently in adapter {i} "
+                    f"(shape {lw.shape}, structure {lw.structure}) than in adapter 0 "
+                    f"(shape {leaf0.shape}, structure {leaf0.structure}).")
+            if not _same_base(leaf0.w, lw.w):
+                raise ValueError(f"stack_adapters: the frozen weight of {where!r} differs between "
+                                 f"adapter 0 and adapter {i}: not the same base.")
+        nb = leaf0.structure[0]
+        k = max(lw.rank for lw in leaves)
+        dtype = jnp.result_type(*(lw.a for lw in leaves))
+
+        def padded(x: Array, axis: int) -> Array:
+            pad = [(0, 0)] * x.ndim
+            pad[axis] = (0, k - x.shape[axis])
+            return jnp.pad(x.astype(dtype), pad)
+
+        a = [padded(lw.a, nb) for lw in leaves]
+        scales = {lw.scale for lw in leaves}
+        if len(scales) == 1:  # one scale: kept, so an optimizer sees each adapter's own factors
+            scale = scales.pop()
+            b = [padded(lw.b, lw.b.ndim - 1) for lw in leaves]
+        else:  # the stack's scale is 1: each adapter's own scale goes into its b
+            scale = 1.0
+            b = [padded(lw.b * jnp.asarray(lw.scale, lw.b.dtype), lw.b.ndim - 1) for lw in leaves]
+        one = LoraWeight(leaf0.w, a[0], b[0], alpha=scale * k)  # checks the factorisation
+        out.append(eqx.tree_at(lambda l: (l.a, l.b), one, (jnp.stack(a), jnp.stack(b))))
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def _stacked_count(tree: Any) -> int:
+    ns = {int(lw.a.shape[0]) for lw in jax.tree.leaves(tree, is_leaf=_is_lora) if _is_lora(lw)}
+    if len(ns) != 1:
+        raise ValueError(f"expected a stack of adapters (lorax.stack_adapters); its LoraWeights "
+                         f"have adapter axes of sizes {sorted(ns)}.")
+    return ns.pop()
+
+
+def adapter_axes(stack: Any) -> Any:
+    """`jax.vmap`'s `in_axes` / `out_axes` for a stack of adapters: `0` for every
+    `LoraWeight`'s `a` and `b` (and its other trainable fields), `None` for `w` and every
+    other leaf (the base, held once).
+
+    **Arguments:**
+
+    - `stack`: a tree from [`lorax.stack_adapters`][] or [`lorax.select_adapters`][], or
+      either half of [`lorax.partition`][] of one.
+
+    **Returns:**
+
+    A tree of `0` / `None` with the structure `jax.vmap` expects as a prefix of `stack`.
+
+    !!! Example
+
+        ```python
+        import jax, jax.numpy as jnp
+        import lorax
+
+        params = {"w": jnp.ones((8, 4))}
+        stack = lorax.stack_adapters(
+            [lorax.init_lora(params, {"w": 2}, jax.random.PRNGKey(i)) for i in range(3)])
+        x = jnp.ones((3, 5, 8))  # one batch per adapter
+        y = jax.vmap(lorax.lora(lambda p, x: x @ p["w"]),
+                     in_axes=(lorax.adapter_axes(stack), 0))(stack, x)
+        assert y.shape == (3, 5, 4)
+        ```
+    """
+    def axes(x: Any) -> Any:
+        if _is_lora(x):
+            fields = ("w", *type(x).trainable_fields)
+            values = tuple(None if (f == "w" or getattr(x, f) is None) else 0 for f in fields)
+            return eqx.tree_at(lambda l: tuple(getattr(l, f) for f in fields), x, values,
+                               is_leaf=lambda v: v is None)
+        return None
+
+    return jax.tree.map(axes, stack, is_leaf=lambda x: _is_lora(x) or _engine.is_value(x))
+
+
+def unstack_adapters(stack: Any) -> list[Any]:
+    """The `N` LoRA trees of a stack, each with its own factors and the shared base.
+
+    Factors keep the stack's (largest) rank, zero-padded, and its scale: each is the
+    same update as the adapter that went in. Use it to save the adapters
+    that [`lorax.stack_adapters`][] trained side by side ([`lorax.save_adapter`][],
+    [`lorax.save_peft`][]).
+
+    **Arguments:**
+
+    - `stack`: a tree from [`lorax.stack_adapters`][] (after training).
+
+    **Returns:**
+
+    A list of `N` LoRA trees.
+
+    !!! Example
+
+        ```python
+        import jax, jax.numpy as jnp
+        import lorax
+
+        params = {"w": jnp.ones((8, 4))}
+        adapters = [lorax.init_lora(params, {"w": 2}, jax.random.PRNGKey(i)) for i in range(3)]
+        back = lorax.unstack_adapters(lorax.stack_adapters(adapters))
+        assert len(back) == 3 and (back[1]["w"].a == adapters[1]["w"].a).all()
+        ```
+    """
+    n = _stacked_count(stack)
+
+    def take(i: int) -> Any:
+        def one(x: Any) -> Any:
+            if not _is_lora(x):
+                return x
+            fields = [f for f in type(x).trainable_fields if getattr(x, f) is not None]
+            return eqx.tree_at(lambda l: tuple(getattr(l, f) for f in fields), x,
+                               tuple(getattr(x, f)[i] for f in fields))
+        return jax.tree.map(one, stack, is_leaf=_is_lora)
+
+    return [take(i) for i in range(n)]
+
+
+def select_adapters(stack: Any, adapter_ids: Any) -> Any:
+    """Each example's factors: a stack indexed by `adapter_ids`, `-1` for no adapter.
+
+    The result has one set of factors per example (`a: (batch, ...)`), zero for `-1`, and
+    the shared `w`; run it with `jax.vmap(lorax.lora(fn), in_axes=(lorax.adapter_axes(sel), 0))`
+    ([`lorax.mixed_batch`][] does both). Gathering costs `batch` copies of the factors,
+    not of `w`.
+
+    **Arguments:**
+
+    - `stack`: a tree from [`lorax.stack_adapters`][].
+    - `adapter_ids`: `(batch,)` integers in `[-1, N)`.
+
+    **Returns:**
+
+    The per-example tree.
+
+    **Raises:**
+
+    `ValueError` for an id outside `[-1, N)` when `adapter_ids` is concrete. Under
+    `jit` the ids are not known: an out-of-range id fills that example's factors with
+    NaN, so its outputs are NaN rather than silently another adapter's.
+
+    !!! Example
+
+        See [`lorax.mixed_batch`][].
+    """
+    n = _stacked_count(stack)
+    ids = jnp.asarray(adapter_ids)
+    if ids.ndim != 1 or not jnp.issubdtype(ids.dtype, jnp.integer):
+        raise ValueError(f"select_adapters: adapter_ids must be a 1-D integer array, got "
+                         f"{ids.dtype}{tuple(ids.shape)}.")
+    if not isinstance(ids, jax.core.Tracer):
+        bad = np.asarray(ids)[(np.asarray(ids) < -1) | (np.asarray(ids) >= n)]
+        if bad.size:
+            raise ValueError(f"select_adapters: adapter id {int(bad[0])} is out of range for "
+                             f"{n} stacked adapters (ids are 0..{n - 1}, or -1 for none).")
+    # Row n of the extended factors is "no adapter"; an id outside [-1, n) goes past the
+    # end, where the gather fills NaN.
+    index = jnp.where(ids == -1, n, jnp.where((ids < -1) | (ids >= n), n + 1, ids))
+
+    def gather(x: Array) -> Array:
+        extended = jnp.concatenate([x, jnp.zeros_like(x[:1])])  # row n: no adapter
+        return extended.at[index].get(mode="fill", fill_value=jnp.nan)
+
+    def one(x: Any) -> Any:
+        if not _is_lora(x):
+            return x
+        fields = [f for f in type(x).trainable_fields if getattr(x, f) is not None]
+        return eqx.tree_at(lambda l: tuple(getattr(l, f) for f in fields), x,
+                           tuple(gather(getattr(x, f)) for f in fields))
+
+    return jax.tree.map(one, stack, is_leaf=_is_lora)
+
+
+def mixed_batch(fn: Callable[..., Any], *, in_axes: Any = 0, out_axes: Any = 0,
+                **lora_kwargs: Any) -> Callable[..., Any]:
+    """`fn` over a batch in which each example uses its own adapter (or none).
+
+    Returns `g(stack, adapter_ids, *args)`: [`lorax.lora`][]`(fn)` vmapped over the
+    examples, example `i` seeing the adapter `adapter_ids[i]` of `stack` (`-1`: the base
+    model). The base matmuls run once for the whole batch (`w` is not batched); only
+    the rank-`k` part is per example. Every example's output equals running it alone
+    with its adapter.
+
+    `fn` sees one example: `in_axes` says where the example axis of each of `args` is,
+    as in `jax.vmap` (a model that wants a batch axis can be given `x[:, None]`).
+
+    **Arguments:**
+
+    - `fn`: the model function, `fn(params, *args)`.
+    - `in_axes`, `out_axes`: `jax.vmap`'s, for `args` and the output.
+    - `lora_kwargs`: passed to [`lorax.lora`][] (`on_materialize=...`).
+
+    **Returns:**
+
+    The batched function.
+
+    !!! Example
+
+        ```python
+        import jax, jax.numpy as jnp
+        import lorax
+
+        params = {"w": jax.random.normal(jax.random.PRNGKey(0), (8, 4))}
+        adapters = [lorax.init_lora(params, {"w": 2}, jax.random.PRNGKey(i), stddev=1.0)
+                    for i in range(3)]
+        adapters = [jax.tree.map(lambda l: lorax.LoraWeight(l.w, l.a, l.b + 1.0, l.alpha)
+                                 if isinstance(l, lorax.LoraWeight) else l, a,
+                                 is_leaf=lambda l: isinstance(l, lorax.LoraWeight))
+                    for a in adapters]
+        stack = lorax.stack_adapters(adapters)
+        x = jnp.ones((4, 8))
+        ids = jnp.array([2, 0, -1, 2])
+        y = lorax.mixed_batch(lambda p, x: x @ p["w"])(stack, ids, x)
+        alone = lorax.lora(lambda p, x: x @ p["w"])(adapters[0], x[1])
+        assert jnp.allclose(y[1], alone, atol=1e-5)
+        assert jnp.allclose(y[2], x[2] @ params["w"], atol=1e-5)  # -1: the base model
+        ```
+    """
+    lfn = lora(fn, **lora_kwargs)
+
+    def wrapped(stack: Any, adapter_ids: Any, *args: Any) -> Any:
+        sel = select_adapters(stack, adapter_ids)
+        axes = in_axes if isinstance(in_axes, (tuple, list)) else (in_axes,) * len(args)
+        return jax.vmap(lfn, in_axes=(adapter_axes(sel), *axes), out_axes=out_axes)(sel, *args)
+
+    return wrapped

@@ -1,0 +1,103 @@
+"""Adapter arithmetic (lorax/_arith.py) against PEFT's definitions, computed densely here."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import lorax
+from conftest import assert_close
+
+
+def _is_lora(x):
+    return isinstance(x, lorax.LoraWeight)
+
+
+def _adapters():
+    """Three adapters over one base: a stacked (layers, in, out) kernel, a multi-axis
+    DenseGeneral kernel adapted by two of them, and a frozen leaf."""
+    k = jax.random.split(jax.random.PRNGKey(0), 3)
+    params = {"layers": jax.random.normal(k[0], (2, 24, 16)), "proj": jax.random.normal(k[1], (16, 2, 8)),
+              "norm": jnp.ones(16)}
+    out = []
+    for i, (rank, alpha, proj) in enumerate([(4, 8.0, True), (2, 3.0, True), (4, 1.0, False)]):
+        spec = {"layers": lorax.LoraSpec(rank, alpha, batch_ndim=1), "norm": lorax.LORA_FREEZE,
+                "proj": lorax.LoraSpec(rank, alpha, m_ndim=1) if proj else lorax.LORA_FREEZE}
+        lp = lorax.init_lora(params, spec, jax.random.PRNGKey(10 + i), stddev=0.5)
+        keys = iter(jax.random.split(jax.random.PRNGKey(20 + i), 4))
+        out.append(jax.tree.map(lambda w: lorax.LoraWeight(w.w, w.a, 0.5 * jax.random.normal(next(keys), w.b.shape),
+                                                           w.alpha) if _is_lora(w) else w, lp, is_leaf=_is_lora))
+    return params, out
+
+
+def _update(tree, name, base):
+    return np.asarray(tree[name].materialize() - base[name], np.float64) if _is_lora(tree[name]) else 0.0
+
+
+def _matrix(x, nb, nm):
+    return x.reshape(*x.shape[:nb], int(np.prod(x.shape[nb:nb + nm])), -1)
+
+
+@pytest.mark.parametrize("how", ["cat", "svd"])
+def test_cat_and_svd(how):
+    params, adapters = _adapters()
+    weights = [0.7, -0.4, 1.3]
+    got = lorax.add_weighted_adapter(adapters, weights, how, svd_rank=3 if how == "svd" else None)
+    assert got["norm"] is params["norm"] and got["layers"].w is params["layers"]
+    for name, nb, nm, adapted in (("layers", 1, 1, [0, 1, 2]), ("proj", 0, 1, [0, 1])):
+        want = sum(w * _update(t, name, params) for i, (w, t) in enumerate(zip(weights, adapters))
+                   if i in adapted)
+        lw = got[name]
+        assert lw.alpha == lw.rank  # scale 1, as PEFT
+        upd = _update(got, name, params)
+        if how == "cat":
+            assert lw.rank == sum(adapters[i][name].rank for i in adapted)
+            assert_close(upd, want, rtol=1e-5, atol=1e-5, err_msg=name)
+        else:
+            assert lw.rank == 3
+            # The best rank-3 approximation of the weighted sum, from a dense SVD (PEFT's way).
+            m = _matrix(want, nb, nm)
+            u, s, vh = np.linalg.svd(m, full_matrices=False)
+            ref = (u[..., :, :3] * s[..., None, :3]) @ vh[..., :3, :]
+            assert_close(_matrix(upd, nb, nm), ref, rtol=1e-4, atol=1e-4, err_msg=name)
+
+
+def test_linear_is_peft_s_combination_of_the_factors():
+    params, adapters = _adapters()
+    same_rank = [adapters[0], adapters[2]]
+    weights = [0.5, -2.0]
+    got = lorax.add_weighted_adapter(same_rank, weights, "linear")
+    ws = [w * t["layers"].scale for w, t in zip(weights, same_rank)]
+    b = sum(math.sqrt(abs(w)) * np.asarray(t["layers"].b) for w, t in zip(ws, same_rank))
+    a = sum(math.copysign(math.sqrt(abs(w)), w) * np.asarray(t["layers"].a) for w, t in zip(ws, same_rank))
+    assert_close(got["layers"].b, b, rtol=1e-5, atol=1e-6)
+    assert_close(got["layers"].a, a, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match=r"'linear' needs equal ranks; 'layers' has ranks \[2, 4\]"):
+        lorax.add_weighted_adapter(adapters, [1, 1, 1], "linear")
+
+
+def test_svd_forms_no_weight_sized_array():
+    """The svd combination works from the factors: no (M, N) array in its jaxpr."""
+    params, adapters = _adapters()
+    jaxpr = jax.make_jaxpr(lambda ts: lorax.add_weighted_adapter(ts, [1.0, 1.0, 1.0], "svd"))(adapters)
+    shapes = [tuple(v.aval.shape) for e in jaxpr.jaxpr.eqns for v in e.outvars]
+    assert (2, 24, 16) not in shapes and (24, 16) not in shapes and (16, 16) not in shapes
+
+
+def test_errors():
+    params, adapters = _adapters()
+    with pytest.raises(ValueError, match="one weight per adapter"):
+        lorax.add_weighted_adapter(adapters, [1.0])
+    with pytest.raises(ValueError, match="combination_type must be"):
+        lorax.add_weighted_adapter(adapters, [1, 1, 1], "ties")
+    moved = dict(adapters[1], norm=adapters[1]["norm"] + 1)
+    with pytest.raises(ValueError, match=r"frozen weight of 'norm' differs between adapter 0 and adapter 1"):
+        lorax.add_weighted_adapter([adapters[0], moved], [1, 1])
+    dora = lorax.init_lora(params, {"layers": lorax.LoraSpec(2, batch_ndim=1, dora=True), "proj": 0,
+                                    "norm": 0}, jax.random.PRNGKey(0))
+    with pytest.raises(ValueError, match=r"'layers' is a DoraWeight"):
+        lorax.add_weighted_adapter([dora, dora], [1, 1], "cat")
