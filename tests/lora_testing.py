@@ -60,3 +60,24 @@ def grad_and_out(fn, cts, argnum, mat_inputs):
 
     grad = jax.grad(loss, has_aux=True, allow_int=True)
     return lambda args: grad(args[argnum], args)
+
+
+def tiny_llama(key, n_layers=2, dim=64, hidden=128, n_heads=4, n_kv_heads=2, vocab=256,
+               scale=0.1, embed_scale=0.1):
+    """`(cfg, params)` of a small random model for the main job's `llama.py`: stacked
+    `(layers, in, out)` kernels, unit norm scales, a tied embedding. The weights use the
+    first 8 of `jax.random.split(key, 12)`; callers draw inputs from the others."""
+    from examples.shakespeare import llama
+
+    cfg = llama.Config(n_layers=n_layers, dim=dim, hidden=hidden, n_heads=n_heads,
+                       n_kv_heads=n_kv_heads, rope_theta=10000.0, norm_eps=1e-5, vocab=vocab)
+    k = iter(jax.random.split(key, 12))
+    L, d, h = n_layers, dim, hidden
+    kv = d // n_heads * n_kv_heads
+    params = {"embed": jax.random.normal(next(k), (vocab, d)) * embed_scale,
+              "layers": {"attn_norm": jnp.ones((L, d)), "mlp_norm": jnp.ones((L, d)),
+                         **{n: jax.random.normal(next(k), (L, a, b)) * scale for n, (a, b) in
+                            dict(q=(d, d), k=(d, kv), v=(d, kv), o=(d, d), gate=(d, h),
+                                 up=(d, h), down=(h, d)).items()}},
+              "final_norm": jnp.ones(d)}
+    return cfg, params

@@ -18,6 +18,7 @@ from jax import lax
 import lorax
 from lorax._quant import _formats as F
 from tests.conftest import assert_close
+from lora_testing import tiny_llama
 
 QTYPES = ["int8", "int4", "nf4", "q4_0", "q4_1", "q8_0"]
 GGUF_TYPES = {"q4_0": gguf.GGMLQuantizationType.Q4_0, "q4_1": gguf.GGMLQuantizationType.Q4_1,
@@ -466,18 +467,8 @@ def test_bad_input_names_the_key_path():
 def test_scanned_llama_on_a_quantized_base_matches_the_dequantized_base():
     from examples.shakespeare import llama
 
-    cfg = llama.Config(n_layers=2, dim=64, hidden=128, n_heads=4, n_kv_heads=2,
-                       rope_theta=10000.0, norm_eps=1e-5, vocab=256)
-    k = iter(jax.random.split(jax.random.PRNGKey(0), 12))
-    L, d, h = cfg.n_layers, cfg.dim, cfg.hidden
-    kv = d // cfg.n_heads * cfg.n_kv_heads
-    params = {"embed": jax.random.normal(next(k), (cfg.vocab, d)) * 0.1,
-              "layers": {"attn_norm": jnp.ones((L, d)), "mlp_norm": jnp.ones((L, d)),
-                         **{n: jax.random.normal(next(k), (L, a, b)) * 0.1 for n, (a, b) in
-                            dict(q=(d, d), k=(d, kv), v=(d, kv), o=(d, d), gate=(d, h),
-                                 up=(d, h), down=(h, d)).items()}},
-              "final_norm": jnp.ones(d)}
-    windows = jax.random.randint(next(k), (2, 17), 0, cfg.vocab)
+    cfg, params = tiny_llama(jax.random.PRNGKey(0))
+    windows = jax.random.randint(jax.random.split(jax.random.PRNGKey(0), 12)[8], (2, 17), 0, cfg.vocab)
     loss = lambda p, w: llama.loss(cfg, p, w)  # noqa: E731
     spec = lorax.simple_spec(params, targets=r"^layers/(q|k|v|o|gate|up|down)$", rank=4)
     spec = lorax.infer_layout(loss, params, spec, windows)

@@ -18,6 +18,7 @@ import pytest
 
 import lorax
 from conftest import assert_close
+from lora_testing import tiny_llama as make_tiny_llama
 
 
 def _is_lora(x):
@@ -38,18 +39,9 @@ def _nudged(lp, seed):
 def tiny_llama():
     from examples.shakespeare import llama
 
-    cfg = llama.Config(n_layers=2, dim=32, hidden=64, n_heads=4, n_kv_heads=2,
-                       rope_theta=10000.0, norm_eps=1e-5, vocab=64)
-    k = iter(jax.random.split(jax.random.PRNGKey(0), 12))
-    L, d, h = cfg.n_layers, cfg.dim, cfg.hidden
-    kv = d // cfg.n_heads * cfg.n_kv_heads
-    params = {"embed": jax.random.normal(next(k), (cfg.vocab, d)) * 0.3,
-              "layers": {"attn_norm": jnp.ones((L, d)), "mlp_norm": jnp.ones((L, d)),
-                         **{n: jax.random.normal(next(k), (L, a, b)) * 0.2 for n, (a, b) in
-                            dict(q=(d, d), k=(d, kv), v=(d, kv), o=(d, d), gate=(d, h),
-                                 up=(d, h), down=(h, d)).items()}},
-              "final_norm": jnp.ones(d)}
-    tokens = jax.random.randint(next(k), (6, 9), 0, cfg.vocab)
+    cfg, params = make_tiny_llama(jax.random.PRNGKey(0), dim=32, hidden=64, vocab=64, scale=0.2,
+                             embed_scale=0.3)
+    tokens = jax.random.randint(jax.random.split(jax.random.PRNGKey(0), 12)[8], (6, 9), 0, cfg.vocab)
     logits = lambda p, t: llama.logits(cfg, p, t)  # noqa: E731
     spec = lorax.simple_spec(params, targets=r"^layers/(q|k|v|o|gate|up|down)$", rank=4)
     spec = lorax.infer_layout(logits, params, spec, tokens)
