@@ -6,8 +6,11 @@ Mixed batch (inference, a forward pass): 8 adapters, batch 64, each example with
 own adapter (ids drawn at random, 8 examples per adapter):
 
 - `one`: the same batch with one adapter (`lorax.lora`): the target is <= 1.3x this;
-- `mixed`: `lorax.mixed_batch` (gather each example's factors, `vmap` over examples,
-  `w` unbatched: the base matmul once for the whole batch);
+- `mixed`: `lorax.mixed_batch` (the 8 adapters' factors side by side on the rank
+  axis and a per-example rank gate, `vmap` over examples: the base matmul and the two
+  low-rank matmuls each once for the whole batch);
+- `gather`: `lorax.select_adapters` + `vmap` (each example's factors gathered: a copy
+  per example and one matrix-vector product each);
 - `ragged`: the other way to do it by hand: sort the rows by adapter, the base matmul
   once, the low-rank part as two `lax.ragged_dot`s over the 8 adapters' factors;
 - `loop`: PEFT's way (`adapter_names=`): one forward per adapter over its sub-batch.
@@ -44,9 +47,11 @@ import lorax
 from . import _common as C
 
 N_ADAPTERS = 8
-DEFAULT = dict(dim=(512, 1024), rank=(8, 64), batch=64, rounds=7, llama_rounds=3)
-QUICK = dict(dim=(64,), rank=(4,), batch=16, rounds=2, llama_rounds=1)
-MIXED = ("one", "mixed", "ragged", "loop")
+DEFAULT = dict(dim=(512, 1024), rank=(8, 64), batch=64, rounds=7, llama_rounds=3,
+               side=[(d, r, 64, same) for same in (False, True) for d in (512, 1024) for r in (8, 64)]
+               + [(d, 8, 8, same) for same in (False, True) for d in (1024, 2048)])
+QUICK = dict(dim=(64,), rank=(4,), batch=16, rounds=2, llama_rounds=1, side=[(64, 4, 16, True)])
+MIXED = ("one", "mixed", "gather", "ragged", "loop")
 SIDE = ("together", "separate")
 
 
@@ -110,6 +115,12 @@ def mixed_runners(apply: Callable, adapters: list, x: jax.Array, ids: jax.Array,
         "one": Call(jax.jit(lorax.lora(batched, on_materialize="error")), adapters[0], x),
         "mixed": Call(jax.jit(lorax.mixed_batch(apply, on_materialize="error")), stack, ids, x),
     }
+
+    def gather(stack, ids, x):
+        sel = lorax.select_adapters(stack, ids)
+        f = lorax.lora(apply, on_materialize="error")
+        return jax.vmap(f, in_axes=(lorax.adapter_axes(sel), 0))(sel, x)
+    runners["gather"] = Call(jax.jit(gather), stack, ids, x)
     if ragged_ok:
         def ragged(stack, x, order, sizes):
             y = mlp(stack, x[order], ragged_dot_mixed(sizes))
@@ -131,7 +142,10 @@ class MixedCell:
         self.times = {k: [] for k in runners}
         for r in runners.values():
             r.measure(1)  # compile
-        self.n_inner = n_inner or max(1, int(0.3 / runners["mixed"].measure(2)))
+        first = next(iter(runners.values()))
+        self.n_inner = n_inner or max(1, int(0.3 / first.measure(2)))
+        self.flops = ({k: flops(r.fn, *r.args) for k, r in runners.items()}
+                      if all(isinstance(r, Call) for r in runners.values()) else {})
 
 
 def mlp_mixed_cell(d: int, rank: int, batch: int) -> MixedCell:
@@ -142,12 +156,11 @@ def mlp_mixed_cell(d: int, rank: int, batch: int) -> MixedCell:
     return MixedCell(f"mlp d{d} k{rank} b{batch}", mixed_runners(mlp, adapters, x, ids, True))
 
 
-def llama_mixed_cell(batch: int, seq: int = 16, rank: int = 8) -> MixedCell:
-    from examples.shakespeare import gguf_loader, llama, train
+def llama_mixed_cell(batch: int, seq: int = 16, rank: int = 8, loaded: Any = None) -> MixedCell:
+    from examples.shakespeare import llama, train
 
-    params, config, _ = gguf_loader.load(quantized=False)
+    params, config = loaded or load_llama()
     cfg = llama.Config(**config)
-    params = jax.tree.map(jnp.asarray, params)
     spec = lorax.simple_spec(params, targets=rf"^layers/({'|'.join(train.TARGETS)})$", rank=rank)
     tokens = jax.random.randint(jax.random.PRNGKey(1), (batch, seq), 0, cfg.vocab)
     one = lambda p, t: llama.logits(cfg, p, t[None])[0]  # noqa: E731
@@ -156,18 +169,37 @@ def llama_mixed_cell(batch: int, seq: int = 16, rank: int = 8) -> MixedCell:
     ids = jax.random.permutation(jax.random.PRNGKey(2), jnp.arange(batch) % N_ADAPTERS)
     runners = mixed_runners(one, adapters, tokens, ids, False,
                             batched=lambda p, t: llama.logits(cfg, p, t))
-    return MixedCell(f"SmolLM2-135M b{batch} x {seq} tokens k{rank}", runners, n_inner=1)
+    shape = "one token each (decode-shaped)" if seq == 1 else f"{seq} tokens each"
+    return MixedCell(f"SmolLM2-135M b{batch}, {shape}, k{rank}", runners, n_inner=1)
+
+
+def load_llama() -> tuple[Any, dict]:
+    from examples.shakespeare import gguf_loader
+
+    params, config, _ = gguf_loader.load(quantized=False)
+    return jax.tree.map(jnp.asarray, params), config
 
 
 # -- side by side ---------------------------------------------------------------------------------
 
 
-def side_cell(d: int, rank: int, batch: int) -> tuple[MixedCell, dict]:
+def flops(jitted: Any, *args: Any) -> float:
+    """The compiled program's floating-point operation count (XLA's cost analysis)."""
+    cost = jitted.lower(*args).compile().cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    return float(cost["flops"])
+
+
+def side_cell(d: int, rank: int, batch: int, same: bool = False) -> tuple[MixedCell, dict]:
+    """`same`: every adapter trains on the same batch (the base's first matmul is then
+    one for all of them); otherwise each has its own."""
     params = mlp_params(d)
     spec = {k: rank for k in params}
     adapters = make_adapters(params, spec, N_ADAPTERS)
     xs = jax.random.normal(jax.random.PRNGKey(1), (N_ADAPTERS, batch, d))
     ys = jax.random.normal(jax.random.PRNGKey(2), (N_ADAPTERS, batch, d))
+    if same:
+        xs, ys = jnp.broadcast_to(xs[0], xs.shape), jnp.broadcast_to(ys[0], ys.shape)
     lrs = jnp.geomspace(1e-4, 1e-2, N_ADAPTERS)
     opt = optax.inject_hyperparams(optax.adam)(learning_rate=1e-3)
     f = lorax.lora(mlp, on_materialize="error")
@@ -185,9 +217,11 @@ def side_cell(d: int, rank: int, batch: int) -> tuple[MixedCell, dict]:
     trainable, frozen = lorax.partition(lorax.stack_adapters(adapters), spec)
     axes = lorax.adapter_axes(trainable)
     states = jax.vmap(init, in_axes=(axes, 0))(trainable, lrs)
-    together = jax.jit(jax.vmap(step, in_axes=(axes, 0, None, 0, 0), out_axes=(axes, 0)),
-                       donate_argnums=(0, 1))
-    mem = together.lower(trainable, states, frozen, xs, ys).compile().memory_analysis()
+    data_axis = None if same else 0
+    together = jax.jit(jax.vmap(step, in_axes=(axes, 0, None, data_axis, data_axis),
+                                out_axes=(axes, 0)), donate_argnums=(0, 1))
+    data = (xs[0], ys[0]) if same else (xs, ys)
+    mem = together.lower(trainable, states, frozen, *data).compile().memory_analysis()
     one_step = jax.jit(step, donate_argnums=(0, 1))
     singles = []
     for i, a in enumerate(adapters):
@@ -199,7 +233,35 @@ def side_cell(d: int, rank: int, batch: int) -> tuple[MixedCell, dict]:
             self.state = (trainable, states)
 
         def call(self) -> Any:
-            self.state = together(*self.state, frozen, xs, ys)
+            self.state = together(*self.state, frozen, *data)
+            return self.state[0]
+
+    # Hand-written LoRA side by side: the same step on (b, a) pairs, vmapped the same way.
+    ws = [params[f"l{i}"] for i in range(len(params))]
+    scale = adapters[0]["l0"].scale
+    hand_f = {n: (jnp.stack([a[n].b for a in adapters]), jnp.stack([a[n].a for a in adapters]))
+              for n in params}
+
+    def hand_mlp(fs, x):
+        def dot(x, name):
+            b, a = fs[name]
+            return x @ ws[int(name[1:])] + (x @ b) @ a * scale
+        return mlp({n: n for n in params}, x, dot)
+
+    def hand_step(fs, opt_state, x, y):
+        grads = jax.grad(lambda f: jnp.mean((hand_mlp(f, x) - y) ** 2))(fs)
+        updates, opt_state = opt.update(grads, opt_state, fs)
+        return optax.apply_updates(fs, updates), opt_state
+
+    hand_states = jax.tree.map(jnp.copy, jax.vmap(init)(hand_f, lrs))  # donated: own buffers
+    hand = jax.jit(jax.vmap(hand_step, in_axes=(0, 0, data_axis, data_axis)), donate_argnums=(0, 1))
+
+    class Hand(C.Timed):
+        def __init__(self):
+            self.state = (hand_f, hand_states)
+
+        def call(self) -> Any:
+            self.state = hand(*self.state, *data)
             return self.state[0]
 
     class Separate(C.Timed):
@@ -208,10 +270,14 @@ def side_cell(d: int, rank: int, batch: int) -> tuple[MixedCell, dict]:
                 s[0], s[1] = one_step(s[0], s[1], s[2], xs[i], ys[i])
             return singles[-1][0]
 
-    cell = MixedCell(f"side by side: mlp d{d} k{rank} b{batch}", {"together": Together(), "separate": Separate()},
-                     n_inner=3)
+    t0, s0 = singles[0][0], singles[0][1]
+    flops_ratio = (flops(together, trainable, states, frozen, *data)
+                   / (N_ADAPTERS * flops(one_step, t0, s0, singles[0][2], xs[0], ys[0])))
+    cell = MixedCell(f"side by side: mlp d{d} k{rank} b{batch}{' same batch' if same else ''}",
+                     {"together": Together(), "hand": Hand(), "separate": Separate()}, n_inner=3)
     base = sum(x.nbytes for x in jax.tree.leaves(frozen))
-    info = dict(arguments_over_base=mem.argument_size_in_bytes / base,
+    info = dict(flops_together_over_separate=flops_ratio,
+                arguments_over_base=mem.argument_size_in_bytes / base,
                 temps_over_base=mem.temp_size_in_bytes / base)
     return cell, info
 
@@ -231,40 +297,52 @@ def main(argv: list[str] | None = None) -> Path:
     mixed = [mlp_mixed_cell(d, r, cfg["batch"]) for d in cfg["dim"] for r in cfg["rank"]]
     C.interleaved_rounds(mixed, rounds, "adapters/mixed", lambda c: dict(cell=c.label), t0)
     if a.llama and not a.quick:
-        llama_cell = llama_mixed_cell(cfg["batch"])
-        C.interleaved_rounds([llama_cell], cfg["llama_rounds"], "adapters/llama",
-                             lambda c: dict(cell=c.label), t0)
-        mixed.append(llama_cell)
+        loaded = load_llama()
+        for seq in (16, 1):
+            llama_cell = llama_mixed_cell(cfg["batch"], seq=seq, loaded=loaded)
+            C.interleaved_rounds([llama_cell], cfg["llama_rounds"], "adapters/llama",
+                                 lambda c: dict(cell=c.label), t0)
+            mixed.append(llama_cell)
     rows = []
     for c in mixed:
         t = c.times
-        ratio = lambda x, y: C.median(u / v for u, v in zip(t[x], t[y]))  # noqa: E731
+        ratio = lambda x, y: C.median(u / v for u, v in zip(t[x], t[y])) if x in t else float("nan")  # noqa: E731
         rows.append(dict(cell=c.label, mixed_ms=1e3 * C.median(t["mixed"]),
-                         mixed_over_one=ratio("mixed", "one"), mixed_over_loop=ratio("mixed", "loop"),
-                         ragged_over_mixed=ratio("ragged", "mixed") if "ragged" in t else float("nan")))
+                         mixed_over_one=ratio("mixed", "one"),
+                         flops_mixed_over_one=c.flops["mixed"] / c.flops["one"],
+                         gather_over_one=ratio("gather", "one"), ragged_over_one=ratio("ragged", "one"),
+                         loop_over_one=ratio("loop", "one"), mixed_over_loop=ratio("mixed", "loop")))
     C.write_csv(out / "adapters_mixed.csv", rows)
 
-    sides = [side_cell(d, r, cfg["batch"]) for d in cfg["dim"] for r in cfg["rank"]]
+    sides = [side_cell(d, r, b, same) for d, r, b, same in cfg["side"]]
     C.interleaved_rounds([c for c, _ in sides], rounds, "adapters/side", lambda c: dict(cell=c.label), t0)
     side_rows = []
     for c, info in sides:
         t = c.times
+        over = lambda x: C.median(u / v for u, v in zip(t[x], t["separate"]))  # noqa: E731
         side_rows.append(dict(cell=c.label, together_ms=1e3 * C.median(t["together"]),
-                              together_over_separate=C.median(u / v for u, v in zip(t["together"], t["separate"])),
+                              together_over_separate=over("together"), hand_over_separate=over("hand"),
                               **info))
     C.write_csv(out / "adapters_side.csv", side_rows)
 
     f3 = lambda v: f"{v:.3g}"  # noqa: E731
     md = [C.machine_md({"rounds": rounds}), "",
-          f"Mixed batch: {N_ADAPTERS} adapters, one per example, forward pass.", "",
-          C.md_table(["cell", "mixed ms", "mixed / one adapter", "mixed / loop over adapters",
-                      "sort + ragged_dot / mixed"],
-                     [[r["cell"], f3(r["mixed_ms"]), f3(r["mixed_over_one"]), f3(r["mixed_over_loop"]),
-                       f3(r["ragged_over_mixed"])] for r in rows]), "",
-          f"Side by side: {N_ADAPTERS} adapters trained in one step vs {N_ADAPTERS} separate steps.", "",
-          C.md_table(["cell", "together ms", "together / separate", "arguments / base bytes",
+          f"Mixed batch: {N_ADAPTERS} adapters, one per example, forward pass. Times are "
+          "ratios to the same batch with one adapter (`one`); FLOPs from XLA's cost analysis "
+          "of the compiled programs.", "",
+          C.md_table(["cell", "mixed ms", "mixed / one", "FLOPs mixed / one", "gather / one",
+                      "sort + ragged_dot / one", "loop / one", "mixed / loop"],
+                     [[r["cell"], f3(r["mixed_ms"]), f3(r["mixed_over_one"]),
+                       f3(r["flops_mixed_over_one"]), f3(r["gather_over_one"]),
+                       f3(r["ragged_over_one"]), f3(r["loop_over_one"]), f3(r["mixed_over_loop"])]
+                      for r in rows]), "",
+          f"Side by side: {N_ADAPTERS} adapters trained in one step vs {N_ADAPTERS} separate steps "
+          "(lorax, and hand-written LoRA vmapped the same way).", "",
+          C.md_table(["cell", "together ms", "together / separate", "hand-written / separate",
+                      "FLOPs together / separate", "arguments / base bytes",
                       "temporaries / base bytes"],
                      [[r["cell"], f3(r["together_ms"]), f3(r["together_over_separate"]),
+                       f3(r["hand_over_separate"]), f3(r["flops_together_over_separate"]),
                        f3(r["arguments_over_base"]), f3(r["temps_over_base"])] for r in side_rows])]
     (out / "adapters.md").write_text("\n".join(md) + "\n")
     print("\n".join(md))

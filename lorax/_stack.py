@@ -10,9 +10,12 @@ would give, with `w` left unbatched), so it goes through `jax.vmap` with
 - *side-by-side training*: `vmap` a training step over the adapter axis, each adapter
   with its own optimizer state, data and hyper-parameters; the base matmul of every
   adapter's batch is one matmul against the one `w`;
-- *mixed batches*: `select_adapters(stack, ids)` gathers each example's factors, and
-  `vmap` over the examples runs the base matmul once for the whole batch and the
-  low-rank part per example (`lorax.mixed_batch` does both).
+- *mixed batches*: `lorax.mixed_batch` puts the `N` adapters' factors side by side on
+  the rank axis and gives each example a gate over it (`_variants/mixed.py`), so
+  under `vmap` over the examples the base matmul and both low-rank matmuls are each
+  one product for the whole batch. `select_adapters(stack, ids)` is the other way,
+  a gather of each example's factors (a copy per example, then one matrix-vector
+  product each: slower on every shape measured, see docs/adapters.md).
 """
 
 from __future__ import annotations
@@ -30,7 +33,8 @@ from . import _engine
 from ._spec import path_str
 from ._transform import lora
 from ._variants.dora import DoraWeight
-from ._weight import LoraWeight
+from ._variants.mixed import MixedWeight
+from ._weight import LoraWeight, factor_structure
 
 
 def _is_lora(x: Any) -> bool:
@@ -255,13 +259,28 @@ def unstack_adapters(stack: Any) -> list[Any]:
     return [take(i) for i in range(n)]
 
 
+def _checked_ids(adapter_ids: Any, n: int, who: str) -> Array:
+    ids = jnp.asarray(adapter_ids)
+    if ids.ndim != 1 or not jnp.issubdtype(ids.dtype, jnp.integer):
+        raise ValueError(f"{who}: adapter_ids must be a 1-D integer array, got "
+                         f"{ids.dtype}{tuple(ids.shape)}.")
+    if not isinstance(ids, jax.core.Tracer):
+        bad = np.asarray(ids)[(np.asarray(ids) < -1) | (np.asarray(ids) >= n)]
+        if bad.size:
+            raise ValueError(f"{who}: adapter id {int(bad[0])} is out of range for "
+                             f"{n} stacked adapters (ids are 0..{n - 1}, or -1 for none).")
+    return ids
+
+
 def select_adapters(stack: Any, adapter_ids: Any) -> Any:
     """Each example's factors: a stack indexed by `adapter_ids`, `-1` for no adapter.
 
     The result has one set of factors per example (`a: (batch, ...)`), zero for `-1`, and
-    the shared `w`; run it with `jax.vmap(lorax.lora(fn), in_axes=(lorax.adapter_axes(sel), 0))`
-    ([`lorax.mixed_batch`][] does both). Gathering costs `batch` copies of the factors,
-    not of `w`.
+    the shared `w`: a per-example tree (to save, inspect, or run with
+    `jax.vmap(lorax.lora(fn), in_axes=(lorax.adapter_axes(sel), 0))`). Gathering costs
+    `batch` copies of the factors, not of `w`, and the `vmap` then runs one
+    matrix-vector product per example: to run a mixed batch, [`lorax.mixed_batch`][]
+    is faster on every shape measured (it copies nothing per example).
 
     **Arguments:**
 
@@ -283,15 +302,7 @@ def select_adapters(stack: Any, adapter_ids: Any) -> Any:
         See [`lorax.mixed_batch`][].
     """
     n = _stacked_count(stack)
-    ids = jnp.asarray(adapter_ids)
-    if ids.ndim != 1 or not jnp.issubdtype(ids.dtype, jnp.integer):
-        raise ValueError(f"select_adapters: adapter_ids must be a 1-D integer array, got "
-                         f"{ids.dtype}{tuple(ids.shape)}.")
-    if not isinstance(ids, jax.core.Tracer):
-        bad = np.asarray(ids)[(np.asarray(ids) < -1) | (np.asarray(ids) >= n)]
-        if bad.size:
-            raise ValueError(f"select_adapters: adapter id {int(bad[0])} is out of range for "
-                             f"{n} stacked adapters (ids are 0..{n - 1}, or -1 for none).")
+    ids = _checked_ids(adapter_ids, n, "select_adapters")
     # Row n of the extended factors is "no adapter"; an id outside [-1, n) goes past the
     # end, where the gather fills NaN.
     index = jnp.where(ids == -1, n, jnp.where((ids < -1) | (ids >= n), n + 1, ids))
@@ -316,9 +327,19 @@ def mixed_batch(fn: Callable[..., Any], *, in_axes: Any = 0, out_axes: Any = 0,
 
     Returns `g(stack, adapter_ids, *args)`: [`lorax.lora`][]`(fn)` vmapped over the
     examples, example `i` seeing the adapter `adapter_ids[i]` of `stack` (`-1`: the base
-    model). The base matmuls run once for the whole batch (`w` is not batched); only
-    the rank-`k` part is per example. Every example's output equals running it alone
-    with its adapter.
+    model). Every example's output equals running it alone with its adapter.
+
+    Nothing is copied per example: the `N` adapters' factors are put side by side on
+    the rank axis (`b: (..., M, N*k)`, `a: (..., N*k, N)`, once per call) and each
+    example gets a gate over that axis, one on its adapter's `k` directions and zero
+    elsewhere. Under `vmap` the base matmul and both low-rank matmuls are then each
+    one product for the whole batch, and the gate an elementwise product on the
+    rank-`N*k` intermediate: the low-rank work is `N` times one adapter's, in
+    matrix products that read each factor once (cheap while `N*k` is small against
+    the layer's width; see docs/adapters.md for the measured costs).
+    [`lorax.select_adapters`][] is the per-example gather instead. Gradients reach
+    the stack's factors (each example's only through its own adapter's), so a batch
+    can also train several adapters at once.
 
     `fn` sees one example: `in_axes` says where the example axis of each of `args` is,
     as in `jax.vmap` (a model that wants a batch axis can be given `x[:, None]`).
@@ -328,6 +349,11 @@ def mixed_batch(fn: Callable[..., Any], *, in_axes: Any = 0, out_axes: Any = 0,
     - `fn`: the model function, `fn(params, *args)`.
     - `in_axes`, `out_axes`: `jax.vmap`'s, for `args` and the output.
     - `lora_kwargs`: passed to [`lorax.lora`][] (`on_materialize=...`).
+
+    The returned function takes `stack` (from [`lorax.stack_adapters`][]),
+    `adapter_ids` (`(batch,)` integers in `[-1, N)`) and `fn`'s other arguments.
+    An id out of range is a `ValueError` when the ids are concrete; under `jit` that
+    example's output is NaN.
 
     **Returns:**
 
@@ -358,8 +384,40 @@ def mixed_batch(fn: Callable[..., Any], *, in_axes: Any = 0, out_axes: Any = 0,
     lfn = lora(fn, **lora_kwargs)
 
     def wrapped(stack: Any, adapter_ids: Any, *args: Any) -> Any:
-        sel = select_adapters(stack, adapter_ids)
-        axes = in_axes if isinstance(in_axes, (tuple, list)) else (in_axes,) * len(args)
-        return jax.vmap(lfn, in_axes=(adapter_axes(sel), *axes), out_axes=out_axes)(sel, *args)
+        n = _stacked_count(stack)
+        ids = _checked_ids(adapter_ids, n, "mixed_batch")
+        choice = (ids[:, None] == jnp.arange(n)).astype(jnp.float32)  # (batch, n); -1: all 0
+        bad = (ids < -1) | (ids >= n)
+        choice = jnp.where(bad[:, None], jnp.nan, choice)  # out of range under jit: NaN
+        params = jax.tree.map(lambda x: _side_by_side(x, choice) if _is_lora(x) else x,
+                              stack, is_leaf=_is_lora)
+
+        def axes(x: Any) -> Any:
+            if isinstance(x, MixedWeight):
+                none = jax.tree.map(lambda _: None, x.weight)
+                return MixedWeight(none, 0)
+            return None
+
+        param_axes = jax.tree.map(axes, params, is_leaf=lambda x: isinstance(x, MixedWeight))
+        arg_axes = in_axes if isinstance(in_axes, (tuple, list)) else (in_axes,) * len(args)
+        return jax.vmap(lfn, in_axes=(param_axes, *arg_axes), out_axes=out_axes)(params, *args)
 
     return wrapped
+
+
+def _side_by_side(lw: LoraWeight, choice: Array) -> MixedWeight:
+    """A stacked `LoraWeight` (`a: (n, *batch, k, ...)`) as one weight of rank `n*k` with
+    a gate per example (`choice: (examples, n)`, one-hot)."""
+    n = lw.a.shape[0]
+    nb = factor_structure(lw.w.shape, lw.a.shape[1:], lw.b.shape[1:])[0]
+    k = lw.a.shape[nb + 1]
+    batch = lw.a.shape[1 : nb + 1]
+    a = jnp.moveaxis(lw.a, 0, nb)
+    a = a.reshape(*batch, n * k, *a.shape[nb + 2 :])
+    b = jnp.moveaxis(lw.b, 0, -2)
+    b = b.reshape(*b.shape[:-2], n * k)
+    one = LoraWeight(lw.w, a, b, alpha=lw.scale * n * k)
+    gate = jnp.repeat(choice, k, axis=1).astype(jnp.result_type(lw.a))     # (examples, n*k)
+    gate = jnp.broadcast_to(gate.reshape(gate.shape[0], *(1,) * nb, n * k),
+                            (gate.shape[0], *batch, n * k))
+    return MixedWeight(one, gate)

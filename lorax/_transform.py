@@ -14,6 +14,7 @@ from . import _engine, _rules, _sharding  # noqa: F401  (importing _rules regist
 from ._variants.adapted import adapt
 from ._variants.dora import DoraWeight
 from ._variants.dropout import LoraDropout
+from ._variants.mixed import MixedWeight
 from ._weight import LoraWeight
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -29,7 +30,7 @@ def _freeze(x: Any) -> Any:
     # free, but saves any value computed from it per iteration: `stop_gradient(W_i)`
     # in a rule became a stacked, model-sized copy of every weight. Frozen here, the
     # rules read the loop input itself, and no body ever sees a differentiable W.
-    if isinstance(x, (DoraWeight, LoraDropout)):  # DoRA's scale and dropout keys, once
+    if isinstance(x, (DoraWeight, LoraDropout, MixedWeight)):  # DoRA's scale, keys, gates: once
         return adapt(x)
     if isinstance(x, LoraWeight):
         return dataclasses.replace(x, w=lax.stop_gradient(x.w))

@@ -156,4 +156,7 @@ def test_adapters_quick(tmp_path):
     # (At this tiny size the batches and Adam state outweigh the base; the base-once
     # property is asserted at d=256 in tests/test_stack.py.)
     assert float(side["arguments_over_base"]) > 1 and float(side["together_over_separate"]) > 0
+    # The same batch for every adapter: the first layer's base matmul is shared.
+    assert float(side["flops_together_over_separate"]) < 0.95
+    assert float(row["flops_mixed_over_one"]) >= 1
     assert "together / separate" in (tmp_path / "adapters.md").read_text()

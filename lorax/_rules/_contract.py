@@ -78,6 +78,18 @@ def contract(
     return out, labels
 
 
+def gate_rank(t: Array, tl: Sequence[int], gate: Array | None, gate_l: Sequence[int]) -> Array:
+    """`t` times `gate`, whose axes are labelled `gate_l` (the weight's batch axes and the
+    rank axis, all among `t`'s labels `tl`): a mixed batch's per-example rank gate."""
+    if gate is None:
+        return t
+    tl, gate_l = tuple(tl), tuple(gate_l)
+    order = sorted(range(len(gate_l)), key=lambda i: tl.index(gate_l[i]))
+    sizes = dict(zip(gate_l, gate.shape))
+    g = jnp.transpose(gate, order).reshape([sizes.get(l, 1) for l in tl])
+    return t * g.astype(t.dtype)
+
+
 def _sum_private(
     x: Array, xl: Labels, other: Collection[int], keep: Collection[int]
 ) -> tuple[Array, Labels]:

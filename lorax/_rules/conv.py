@@ -36,10 +36,11 @@ def _(lhs: ArrayLike, rhs: LoraWeight, *, dimension_numbers: lax.ConvDimensionNu
 
 
 def lora_conv(lhs: Any, rhs: LoraWeight, lhs_low: Any, dn: lax.ConvDimensionNumbers,
-              feature_group_count: int, batch_group_count: int, params: dict) -> Any:
-    """`conv(lhs, W) + s * pointwise(conv(lhs_low, F_in), F_out)`, or `None` when the
-    kernel's factorisation does not fit (`lhs_low`: the low-rank path's input, `lhs`
-    when `None`)."""
+              feature_group_count: int, batch_group_count: int, params: dict,
+              gate: Any = None) -> Any:
+    """`conv(lhs, W) + s * pointwise(conv(lhs_low, F_in) * gate, F_out)`, or `None` when
+    the kernel's factorisation does not fit (`lhs_low`: the low-rank path's input, `lhs`
+    when `None`; `gate`: a mixed batch's `(k,)` rank gate, or `None`)."""
     nb, nm, nn = rhs.structure
     out_axis = dn.rhs_spec[0]
     if nb == 0 and feature_group_count == 1 and batch_group_count == 1:
@@ -58,6 +59,10 @@ def lora_conv(lhs: Any, rhs: LoraWeight, lhs_low: Any, dn: lax.ConvDimensionNumb
             base = _engine.call(conv, lhs, w, **params)  # `w` is frozen already (see `lora`)
             t = conv(lhs if lhs_low is None else lhs_low, f_in.astype(w.dtype), **params)
             t = scale(t, rhs.scale)
+            if gate is not None:  # the rank is t's feature axis
+                shape = [1] * t.ndim
+                shape[dn.out_spec[1]] = gate.shape[-1]
+                t = t * gate.reshape(shape).astype(t.dtype)
             # The 1x1 kernel in the caller's rhs layout: O and I=k, unit window.
             n_spatial = len(dn.rhs_spec) - 2
             kernel_shape = [1] * rhs.ndim

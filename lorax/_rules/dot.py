@@ -15,7 +15,8 @@ from jax.typing import ArrayLike
 
 from .. import _engine
 from .._weight import LoraWeight
-from ._contract import Labels, arrange, contract, dot_labels, factor_contract, rank_major
+from ._contract import (Labels, arrange, contract, dot_labels, factor_contract, gate_rank,
+                        rank_major)
 
 
 def factor_labels(
@@ -37,6 +38,7 @@ def lora_contract(
     lora_first: bool,
     fresh: Iterator[int],
     x_low: Array | None = None,
+    gate: Array | None = None,
     **dot_params: Any,
 ) -> Array:
     """Contract `lw` with the plain array `x` to labels `out`, never forming `W + BA`.
@@ -49,7 +51,8 @@ def lora_contract(
     per layer instead of reading the loop input.
 
     `x_low`, if given, replaces `x` on the low-rank path only (LoRA dropout:
-    `op(W, x) + s * ((drop(x) . F1) . F2)`).
+    `op(W, x) + s * ((drop(x) . F1) . F2)`). `gate`, if given (`(*batch, k)`), scales
+    the rank-`k` intermediate (a mixed batch: `op(W, x) + s * ((x . F1) * gate) . F2`).
     """
     bl, al, _ = factor_labels(lw, lwl, fresh)
     static = dict(
@@ -60,11 +63,11 @@ def lora_contract(
     try:
         hash(tuple(static.values()))
     except TypeError:  # an unhashable parameter: trace the rule inline instead
-        return _contract_impl(lw.w, lw.b, lw.a, x, x_low, **static)
-    return _contract_jit(lw.w, lw.b, lw.a, x, x_low, **static)
+        return _contract_impl(lw.w, lw.b, lw.a, x, x_low, gate, **static)
+    return _contract_jit(lw.w, lw.b, lw.a, x, x_low, gate, **static)
 
 
-def _contract_impl(w, b, a, x, x_low, *, structure, factor_scale, lwl, xl, out, bl, al, lora_first,
+def _contract_impl(w, b, a, x, x_low, gate, *, structure, factor_scale, lwl, xl, out, bl, al, lora_first,
                    dot_params):
     dot_params = dict(dot_params)
     b = b.astype(w.dtype)
@@ -90,7 +93,7 @@ def _contract_impl(w, b, a, x, x_low, *, structure, factor_scale, lwl, xl, out, 
     rows = math.prod(d for d, l in zip(x.shape, xl) if l not in f1l)
     f1 = rank_major(f1, f1l, rank_l, lwl[:nb], rows)
     t, tl = dot(f1, f1l, x if x_low is None else x_low, xl, {*out, *f2l}, **low_params)
-    t = scale(t, factor_scale)
+    t = gate_rank(scale(t, factor_scale), tl, gate, (*lwl[:nb], rank_l))
     y, yl = factor_contract(t, tl, f2, f2l, out, not lora_first, **low_params)
     return arrange(base, base_l, out) + arrange(y, yl, out)
 

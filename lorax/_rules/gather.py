@@ -25,7 +25,7 @@ from jax.typing import ArrayLike
 from .. import _engine
 from .._weight import LoraWeight
 from .dot import scale
-from ._contract import arrange, factor_contract
+from ._contract import arrange, factor_contract, gate_rank
 
 
 def _touched(dn: lax.GatherDimensionNumbers, slice_sizes: Sequence[int], shape: Sequence[int]) -> set[int]:
@@ -74,9 +74,22 @@ def _factor_params(params: dict) -> dict:
 @_engine.register(lax.gather_p)
 def _(lw: LoraWeight, indices: ArrayLike, *, dimension_numbers: lax.GatherDimensionNumbers,
       slice_sizes: Sequence[int], **params: Any) -> Any:
-    orig_dn, orig_indices = dimension_numbers, indices
+    out = lora_gather(lw, indices, dimension_numbers, slice_sizes, params)
+    if out is not None:
+        return out
+    return _engine.materialize_fallback(
+        lax.gather_p, [lw, indices],
+        dict(dimension_numbers=dimension_numbers, slice_sizes=slice_sizes, **params),
+    )
+
+
+def lora_gather(lw: LoraWeight, indices: ArrayLike, dimension_numbers: lax.GatherDimensionNumbers,
+                slice_sizes: Sequence[int], params: dict, gate: Any = None) -> Any:
+    """The gather rule; `gate` (a mixed batch's `(*batch, k)` rank gate) scales the
+    rank axis of a lookup's low-rank path. A pick of layers returns a `LoraWeight`
+    (the caller carries the gate); `None` when no low-rank form fits."""
     nb, nm, nn = lw.structure
-    dn, indices = _drop_whole_columns(orig_dn, orig_indices, slice_sizes, lw.shape, params.get("mode"))
+    dn, indices = _drop_whole_columns(dimension_numbers, indices, slice_sizes, lw.shape, params.get("mode"))
     touched = _touched(dn, slice_sizes, lw.shape)
     batch_axes = set(range(nb))
     m_axes = set(range(nb, nb + nm))
@@ -116,22 +129,20 @@ def _(lw: LoraWeight, indices: ArrayLike, *, dimension_numbers: lax.GatherDimens
         # Row lookup: gather B, then contract its rank axis with A.
         b_axes = [*range(nb + nm), None]
         a_axes = [*range(nb), None, *sorted(n_axes)]
-        return _lookup(lw, indices, dn, slice_sizes, w_params, out_rank, lw.b, b_axes, lw.a, a_axes)
+        return _lookup(lw, indices, dn, slice_sizes, w_params, out_rank, lw.b, b_axes, lw.a, a_axes,
+                       gate)
     if batch_ok and touched and not touched & m_axes:
         # Column lookup: gather A, then contract B's rank axis with it.
         a_axes = [*range(nb), None, *sorted(n_axes)]
         b_axes = [*range(nb + nm), None]
-        return _lookup(lw, indices, dn, slice_sizes, w_params, out_rank, lw.a, a_axes, lw.b, b_axes)
-
-    return _engine.materialize_fallback(
-        lax.gather_p, [lw, orig_indices],
-        dict(dimension_numbers=orig_dn, slice_sizes=slice_sizes, **w_params),
-    )
+        return _lookup(lw, indices, dn, slice_sizes, w_params, out_rank, lw.a, a_axes, lw.b, b_axes,
+                       gate)
+    return None
 
 
 def _lookup(lw: LoraWeight, indices: Any, dn: lax.GatherDimensionNumbers, slice_sizes: Sequence[int],
             params: dict, out_rank: int, f: Any, f_axes: Sequence[int | None], o: Any,
-            o_axes: Sequence[int | None]) -> Any:
+            o_axes: Sequence[int | None], gate: Any = None) -> Any:
     """`gather(W) + s * gather(F) . O` for a gather that leaves O's non-batch axes whole.
 
     `F` is the factor carrying the indexed axes, `O` the other one, never gathered;
@@ -173,8 +184,14 @@ def _lookup(lw: LoraWeight, indices: Any, dn: lax.GatherDimensionNumbers, slice_
     gf = scale(gf, lw.scale)
     gf_l = (*range(ndim, ndim + n_idx), *(label[d] for d in f_offsets))
     o_l = tuple(label[d] for d in o_axes)
+    gate_l = (*(label[d] for d in range(lw.structure[0])), label[None])
+    o = o.astype(w.dtype)
+    if all(l in gf_l for l in gate_l):
+        gf = gate_rank(gf, gf_l, gate, gate_l)
+    else:  # a batch axis was looked up at one index: gate the other factor instead
+        o = gate_rank(o, o_l, gate, gate_l)
     # As in the dot rule: the other factor's cotangent as a canonical matmul.
-    low, low_l = factor_contract(gf, gf_l, o.astype(w.dtype), o_l, out_l, True)
+    low, low_l = factor_contract(gf, gf_l, o, o_l, out_l, True)
     return _engine.call(
         lax.gather_p.bind, w, indices, dimension_numbers=dn, slice_sizes=tuple(slice_sizes),
         **params,

@@ -24,13 +24,17 @@ from jax.extend.core import primitives as _prims
 from jax.typing import ArrayLike
 
 from .. import _engine
+import jax
+
 from .._variants.adapted import Adapted, adapt, drop
+from .._variants.mixed import MixedWeight, gated_lora
 from .._variants.dora import DoraWeight, magnitude_shape, magnitude_side
 from .._variants.dropout import LoraDropout
 from .._weight import LoraWeight
 from ._contract import dot_labels
 from . import ragged as _ragged
 from .conv import lora_conv
+from .gather import lora_gather
 from .dot import _dot_params, lora_contract
 from .._sharding import varying_axes
 from .sharding import sharding_constraint_p
@@ -71,18 +75,19 @@ def _dot(ad: Adapted, x: Any, ad_first: bool, dimension_numbers: Any, precision:
     dot_params = _dot_params(precision, preferred_element_type, params)
     x_low = None if ad.key is None else drop(x, ad.key, ad.rate)
     if ad.g is None:
-        return lora_contract(lw, wl, x, xl, out, ad_first, fresh, x_low, **dot_params)
+        return lora_contract(lw, wl, x, xl, out, ad_first, fresh, x_low, ad.gate, **dot_params)
     nb = lw.structure[0]
     axes = (*range(nb), *_side_axes(ad))
     g_labels = [wl[d] for d in axes]
     g = ad.g.reshape([ad.g.shape[d] for d in axes])
     if all(l in out for l in g_labels):
-        y = lora_contract(lw, wl, x, xl, out, ad_first, fresh, x_low, **dot_params)
+        y = lora_contract(lw, wl, x, xl, out, ad_first, fresh, x_low, ad.gate, **dot_params)
         return y * _place(g, g_labels, out, y.dtype)
     if all(l in xl for l in g_labels):
         gx = _place(g, g_labels, xl, jnp.result_type(x))
         x_low = None if x_low is None else x_low * gx
-        return lora_contract(lw, wl, x * gx, xl, out, ad_first, fresh, x_low, **dot_params)
+        return lora_contract(lw, wl, x * gx, xl, out, ad_first, fresh, x_low, ad.gate,
+                             **dot_params)
     args = [ad, x] if ad_first else [x, ad]
     return _engine.materialize_fallback(lax.dot_general_p, args,
                      dict(dimension_numbers=dimension_numbers, precision=precision,
@@ -133,6 +138,10 @@ if _ragged.ragged_dot_general_p is not None:
           **params: Any) -> Any:
         dn = params["ragged_dot_dimension_numbers"]
         x_low = None if rhs.key is None else drop(lhs, rhs.key, rhs.rate)
+        if rhs.gate is not None:
+            return _engine.materialize_fallback(
+                _ragged.ragged_dot_general_p, [lhs, rhs, group_sizes, *rest], params,
+                "a mixed batch's adapters on a ragged product (no rule for the rank gate)")
         if rhs.g is None:
             return _ragged.rule(lhs, rhs.lw, group_sizes, rest, params, x_low)
         g = _ragged_g(rhs, lhs, group_sizes, dn)
@@ -143,7 +152,7 @@ if _ragged.ragged_dot_general_p is not None:
         y = _ragged.rule(lhs, rhs.lw, group_sizes, rest, params, x_low)
         return y * g.astype(y.dtype)
 
-    for _cls in (DoraWeight, LoraDropout):
+    for _cls in (DoraWeight, LoraDropout, MixedWeight):
         @_engine.register(_ragged.ragged_dot_general_p)
         def _(lhs: ArrayLike, rhs: _cls, group_sizes: ArrayLike, *rest: ArrayLike,  # type: ignore[valid-type]
               **params: Any) -> Any:
@@ -165,7 +174,8 @@ def _(lhs: ArrayLike, rhs: Adapted, *, dimension_numbers: lax.ConvDimensionNumbe
     low = None if rhs.key is None else drop(lhs, rhs.key, rhs.rate)
 
     def conv(x: Any, x_low: Any) -> Any:
-        return lora_conv(x, lw, x_low, dn, feature_group_count, batch_group_count, params)
+        return lora_conv(x, lw, x_low, dn, feature_group_count, batch_group_count, params,
+                         rhs.gate)
 
     if rhs.g is None:
         y = conv(lhs, low)
@@ -210,9 +220,19 @@ def _gather_like(g: Array, indices: Any, dn: lax.GatherDimensionNumbers,
 @_engine.register(lax.gather_p)
 def _(ad: Adapted, indices: ArrayLike, *, dimension_numbers: lax.GatherDimensionNumbers,
       slice_sizes: Sequence[int], **params: Any) -> Any:
-    out = _engine.call(functools.partial(
-        lax.gather_p.bind, dimension_numbers=dimension_numbers,
-        slice_sizes=tuple(slice_sizes), **params), ad.lw, indices)
+    if ad.gate is None:
+        out = _engine.call(functools.partial(
+            lax.gather_p.bind, dimension_numbers=dimension_numbers,
+            slice_sizes=tuple(slice_sizes), **params), ad.lw, indices)
+    else:
+        out = lora_gather(ad.lw, indices, dimension_numbers, slice_sizes, params, ad.gate)
+        if out is None or isinstance(out, LoraWeight):
+            # A lookup with no low-rank form is correct dense (the gate is in `ad`'s
+            # array); a pick of layers would need the gate gathered alike.
+            return _engine.materialize_fallback(
+                lax.gather_p, [ad, indices],
+                dict(dimension_numbers=dimension_numbers, slice_sizes=slice_sizes, **params),
+                "a mixed batch's rank gate on this gather")
     g = None if ad.g is None else _gather_like(ad.g, indices, dimension_numbers, slice_sizes,
                                                params)
     if isinstance(out, LoraWeight):
@@ -229,13 +249,18 @@ def _(ad: Adapted, indices: ArrayLike, *, dimension_numbers: lax.GatherDimension
 
 
 def _lift(ad: Adapted, op: Any, g_op: Any, key_op: Any) -> Any:
-    """`op(lw)`, with `g` and the keys following it (`g_op(g, out)`, `key_op(key, out)`;
-    `out` is `None` when the LoRA rule's result is dense)."""
+    """`op(lw)`, with `g`, the keys and the rank gate following it (`g_op(g, out)`,
+    `key_op(key, out)`, and `key_op` on each rank slice of the gate; `out` is `None`
+    when the LoRA rule's result is dense)."""
     out = _engine.call(op, ad.lw)
     if isinstance(out, LoraWeight):
         g = None if ad.g is None else g_op(ad.g, out)
         key = None if ad.key is None else key_op(ad.key, out)
-        return Adapted(out, g, key, ad.rate)
+        gate = None if ad.gate is None else jax.vmap(
+            lambda v: key_op(v, out), in_axes=-1, out_axes=-1)(ad.gate)
+        return Adapted(out, g, key, ad.rate, gate)
+    if ad.gate is not None:  # dense: the gate goes into the factors first
+        out = _engine.call(op, gated_lora(ad.lw, ad.gate))
     if ad.g is None:
         return out
     return out * g_op(ad.g, None).astype(out.dtype)
@@ -324,8 +349,9 @@ def _regroup(ad: Adapted, prim: Any, params: dict, new_shape: Sequence[int]) -> 
         batch = tuple(out.shape[: out.structure[0]])
         if int(np.prod(batch)) != k.size:
             raise ValueError(
-                "lorax.dropout: a reshape regroups the batch axes of a stacked LoRA weight "
-                f"({tuple(k.shape)} -> {batch}); its dropout keys cannot follow.")
+                "a reshape regroups the batch axes of a stacked LoRA weight "
+                f"({tuple(k.shape)} -> {batch}); its lorax.dropout keys or mixed-batch rank "
+                "gates cannot follow.")
         return k.reshape(batch)
 
     return _lift(ad, _bind(prim, **params), g_op, key_op)
@@ -357,14 +383,17 @@ def _(ad: Adapted, *, axes: Any) -> Any:
         return pvary_p.bind(x, axes=new) if new else x
 
     return Adapted(_engine.call(lambda lw: pvary_p.bind(lw, axes=axes), ad.lw), vary(ad.g),
-                   vary(ad.key), ad.rate)
+                   vary(ad.key), ad.rate, vary(ad.gate))
 
 
 @_engine.register(sharding_constraint_p)
 def _(ad: Adapted, **params: Any) -> Any:
-    out = _engine.call(lambda lw: sharding_constraint_p.bind(lw, **params), ad.lw)
+    bind = lambda lw: sharding_constraint_p.bind(lw, **params)  # noqa: E731
+    out = _engine.call(bind, ad.lw)
     if isinstance(out, LoraWeight):
-        return Adapted(out, ad.g, ad.key, ad.rate)
+        return Adapted(out, ad.g, ad.key, ad.rate, ad.gate)
+    if ad.gate is not None:
+        out = _engine.call(bind, gated_lora(ad.lw, ad.gate))
     return out if ad.g is None else out * ad.g.astype(out.dtype)
 
 
@@ -374,7 +403,7 @@ def _(ad: Adapted, **params: Any) -> Any:
 # LoraWeight, so every primitive with a LoraWeight rule needs this, or the LoRA rule would
 # run and silently drop the magnitude (tests/variants/test_dora.py checks the coverage).
 
-_Raw = (DoraWeight, LoraDropout)
+_Raw = (DoraWeight, LoraDropout, MixedWeight)
 
 
 def _redirect_unary(prim: Any) -> None:

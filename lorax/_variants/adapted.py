@@ -3,8 +3,10 @@
 At `lora`'s boundary (where `w` is frozen) a [`DoraWeight`] is replaced by its
 `LoraWeight` and the per-output-feature factor `g = m / ||V||`, computed there once
 per call for the whole (stacked) weight, with the norm held constant; a
-[`LoraDropout`] adds its keys. The rules (`_rules/variants.py`) then only scale an
-output or an input by `g` and feed `drop(x)` to the low-rank path, never a norm:
+[`LoraDropout`] adds its keys; a `MixedWeight` (several adapters' factors side by
+side on the rank axis, `lorax.mixed_batch`) adds its rank gate. The rules
+(`_rules/variants.py`) then only scale an output or an input by `g`, feed `drop(x)`
+to the low-rank path and scale its rank-`k` intermediate by the gate, never a norm:
 one value type for the variants, so LoRA's own rules stay as they are.
 """
 
@@ -21,22 +23,27 @@ from .. import _engine
 from .._weight import LoraWeight
 from .dora import DoraWeight, weight_norm
 from .dropout import LoraDropout
+from .mixed import MixedWeight, gated_lora
 
 
 class Adapted(_engine.ArrayValue):
     """`lw`'s array times `g` (broadcast, `w`'s rank, `None`: 1), with LoRA dropout of
-    `rate` on the low-rank path's input when `key` (one per batch slice) is set."""
+    `rate` on the low-rank path's input when `key` (one per batch slice) is set, and
+    the low-rank path's rank axis scaled by `gate` (`(*batch, k)`, one row per batch
+    slice) when set."""
 
     lw: LoraWeight
     g: Array | None
     key: Array | None
     rate: float = eqx.field(static=True, default=0.0)
+    gate: Array | None = None
 
     def aval(self) -> jax.core.ShapedArray:
         return self.lw.aval()
 
     def materialise(self) -> Array:
-        v = type(self.lw).materialise(self.lw)
+        lw = self.lw if self.gate is None else gated_lora(self.lw, self.gate)
+        v = type(lw).materialise(lw)
         return v if self.g is None else v * self.g.astype(v.dtype)
 
     materialized_as = "materialized (DoRA: m * V / ||V||; LoRA dropout not applied)"
@@ -58,7 +65,10 @@ def magnitude_scale(dw: DoraWeight) -> Array:
 
 
 def adapt(x: Any) -> Any:
-    """A `DoraWeight` or `LoraDropout` as an `Adapted` with a frozen `w`; others unchanged."""
+    """A `DoraWeight`, `LoraDropout` or `MixedWeight` as an `Adapted` with a frozen
+    `w`; others unchanged."""
+    if isinstance(x, MixedWeight):
+        return Adapted(frozen_lora(x.weight), None, None, 0.0, x.gate)
     if isinstance(x, LoraDropout):
         inner = x.weight
         if isinstance(inner, DoraWeight):
