@@ -150,7 +150,11 @@ def _swap_square(x):
     return dataclasses.replace(x, a=jnp.swapaxes(x.b, -1, -2), b=jnp.swapaxes(x.a, -1, -2))
 
 
-@pytest.mark.parametrize("control", ["swapped_a_b", "scale_x2", "qk_rows_unpermuted"])
+# The subtle one (q/k row order) runs by default; the other two, each a full llama.cpp
+# run of its own, are slow.
+@pytest.mark.parametrize("control", [pytest.param("swapped_a_b", marks=pytest.mark.slow),
+                                     pytest.param("scale_x2", marks=pytest.mark.slow),
+                                     "qk_rows_unpermuted"])
 def test_negative_controls_fail_the_tolerance(setup, measured, control):
     serve = setup["serve"]
     if control == "swapped_a_b":
