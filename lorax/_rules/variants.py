@@ -1,13 +1,16 @@
-"""Rules for the variants' value (`Adapted`: DoRA's scale, LoRA dropout), on top of LoRA's.
+"""Rules for the variants' value (`Adapted`: DoRA's scale, LoRA dropout, a mixed
+batch's rank gate), on top of LoRA's.
 
 DoRA's weight is `V * g` with `g = m / ||V||` constant along the input axes, so for
 any use that keeps the output features free, `op(x, V * g) = op(x, V) * g`, and for
 a use that contracts them (a tied embedding's logits, `h @ E.T`),
 `op(x, V * g) = op(x * g, V)`: the LoRA rule runs unchanged on `V` and `g` scales an
 activation-sized array. LoRA dropout hands the LoRA rule `drop(x)` for its low-rank
-path. A `DoraWeight` or `LoraDropout` that reaches a primitive without passing
+path, and a mixed batch (`lorax.mixed_batch`) its per-example rank gate. A
+`DoraWeight`, `LoraDropout` or `MixedWeight` that reaches a primitive without passing
 `lora`'s boundary (closed over rather than passed in) is converted here first; a
-`DoraWeight` never reaches a `LoraWeight` rule, which would drop its magnitude.
+`DoraWeight` never reaches a `LoraWeight` rule, which would drop its magnitude. Where
+no low-rank form fits, the dense fallback is `Adapted`'s own array, gate included.
 """
 
 # No `from __future__ import annotations`: the redirect rules below are registered in
@@ -17,6 +20,7 @@ import itertools
 from collections.abc import Sequence
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import Array, lax
@@ -24,8 +28,6 @@ from jax.extend.core import primitives as _prims
 from jax.typing import ArrayLike
 
 from .. import _engine
-import jax
-
 from .._variants.adapted import Adapted, adapt, drop
 from .._variants.mixed import MixedWeight, gated_lora
 from .._variants.dora import DoraWeight, magnitude_shape, magnitude_side
