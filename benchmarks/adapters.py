@@ -17,12 +17,16 @@ own adapter (ids drawn at random, 8 examples per adapter):
 
 Models: the speed grid's 4-layer relu MLP (each example a `d`-vector), and the main
 job's SmolLM2-135M (`examples/shakespeare/llama.py`, dense float32 base, every
-projection adapted at rank 8; each example a 16-token sequence; `--no-llama` skips it).
+projection adapted at rank 8; each example a 16-token sequence, or one token, the
+shape of a decode step; `--no-llama` skips it). FLOPs: XLA's cost analysis of each
+compiled program.
 
-Side by side (training): 8 adapters of the MLP, each with its own batch of 64 and
-learning rate, trained in one jitted step (`vmap` over `lorax.stack_adapters`' adapter
-axis, Adam) against 8 separate jitted steps; compiled memory: the side-by-side step's
-arguments and temporaries against the base's bytes.
+Side by side (training): 8 adapters of the MLP, each with its own learning rate and
+its own batch (or all on the same batch; 64 or 8 examples), trained in one jitted
+step (`vmap` over `lorax.stack_adapters`' adapter axis, Adam) against 8 separate
+jitted steps, and hand-written LoRA vmapped the same way; the compiled FLOPs of the
+joint step against 8 single ones; compiled memory: the side-by-side step's arguments
+and temporaries against the base's bytes.
 """
 
 from __future__ import annotations
