@@ -11,6 +11,7 @@ private surface, and what breaks without it:
 |---|---|
 | `quax._trace._QuaxTrace`, `_QuaxTracer` | custom_vjp / custom_jvp / shard_map handling quax lacks |
 | `quax._values._DenseArrayValue`, `_dense` | wrapping plain arrays on a quax trace |
+| `quax._primitives._jit_quax_cache`, `_scan_quax_cache`, `_while_quax_cache` | keying quax's caches of re-traced nested bodies on lorax's per-call decisions |
 | `jax._src.core` (`set_current_trace`, `take_current_trace`, `pvary_p`) | re-entering traces; the `pvary` rule |
 | `jax._src.ad_checkpoint.remat_p` | the `checkpoint` rule |
 | `jax._src.lax.lax.ragged_dot_general_p` | the `ragged_dot` rule (MoE experts; optional: `None` where absent) |
@@ -82,6 +83,7 @@ try:
     from jax._src import core as _core
     from equinox._module import _module as _eqx_module
     from quax import _trace as _quax_trace
+    from quax import _primitives as _quax_primitives
     from quax._values import _DenseArrayValue, _dense
 
     from jax._src.lax import lax as _lax_internal
@@ -91,6 +93,8 @@ try:
     _core.set_current_trace, _core.take_current_trace  # noqa: B018
     _quax_trace._QuaxTrace, _quax_trace._QuaxTracer  # noqa: B018
     _quax_trace._QuaxTrace.process_custom_jvp_call  # noqa: B018
+    _quax_primitives._jit_quax_cache, _quax_primitives._scan_quax_cache  # noqa: B018
+    _quax_primitives._while_quax_cache  # noqa: B018
     _eqx_module.jtu.register_pytree_with_keys  # noqa: B018
 except (ImportError, AttributeError) as _err:
     raise _internals_moved(_err) from _err
@@ -124,6 +128,8 @@ __all__ = [
     "register",
     "register_shard_map_rule",
     "remat_p",
+    "rule_jit",
+    "trace_uncached",
     "transform",
     "unsupported_versions",
 ]
@@ -324,6 +330,83 @@ def materialize_fallback(
     arrays = [type(v).materialise(v) if is_value(v) else v for v in values]
     return primitive.bind(*arrays, **params)
 
+
+
+# -- decisions made while tracing, and the caches that would keep them ----------------
+#
+# A rule decides things a traced program does not show: whether a fallback warns,
+# raises or stays quiet (the policy), and what `infer_layout` records. quax caches
+# the re-traced body of a nested `jax.jit` (and of `scan`/`while` bodies) per
+# (jaxpr, tree structure), and JAX caches lorax's own jitted rule bodies per
+# arguments: on a hit no rule runs, so whatever the first call decided would hold
+# for every later one. Both caches are therefore keyed on the decisions too, and a
+# trace that records (`trace_uncached`) uses no cache at all.
+
+_uncached: contextvars.ContextVar[bool] = contextvars.ContextVar("lorax_uncached", default=False)
+
+
+def decisions() -> Any:
+    """What lorax decides while tracing that the traced program does not record."""
+    return _policy.get()
+
+
+@contextlib.contextmanager
+def trace_uncached() -> Iterator[None]:
+    """Trace every nested body afresh (and cache none): for traces that record."""
+    token = _uncached.set(True)
+    try:
+        yield
+    finally:
+        _uncached.reset(token)
+
+
+class _DecisionKeyedCache:
+    """Stands in for one of quax's body caches: one dict per `decisions()` value."""
+
+    def __init__(self, entries: dict) -> None:
+        self._by_decision: dict[Any, dict] = {decisions(): dict(entries)}
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        if _uncached.get():
+            return default
+        return self._by_decision.get(decisions(), {}).get(key, default)
+
+    def __setitem__(self, key: Any, entry: Any) -> None:
+        if not _uncached.get():
+            self._by_decision.setdefault(decisions(), {})[key] = entry
+
+    def pop(self, key: Any, default: Any = None) -> Any:
+        # quax's weakref finalizer: the jaxpr behind `key` is gone, whatever the decisions.
+        found = default
+        for entries in self._by_decision.values():
+            found = entries.pop(key, found)
+        return found
+
+    def __len__(self) -> int:
+        return sum(map(len, self._by_decision.values()))
+
+    def clear(self) -> None:
+        self._by_decision.clear()
+
+
+for _name in ("_jit_quax_cache", "_scan_quax_cache", "_while_quax_cache"):
+    if not isinstance(getattr(_quax_primitives, _name), _DecisionKeyedCache):
+        setattr(_quax_primitives, _name, _DecisionKeyedCache(getattr(_quax_primitives, _name)))
+
+
+def rule_jit(fn: Callable[..., Any], *, static_argnames: Sequence[str]) -> Callable[..., Any]:
+    """`jax.jit(fn, static_argnames=...)` for a rule's body, traced once per distinct
+    arguments *and* `decisions()`: a fallback inside it reports under every policy."""
+    jitted = jax.jit(lambda *args, _decisions, **kwargs: fn(*args, **kwargs),
+                     static_argnames=(*static_argnames, "_decisions"))
+
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        if _uncached.get():
+            return fn(*args, **kwargs)
+        return jitted(*args, _decisions=decisions(), **kwargs)
+
+    return call
 
 # -- higher-order primitives quax leaves out -----------------------------------
 

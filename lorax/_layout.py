@@ -245,7 +245,9 @@ def infer_layout(fn: Callable[..., Any], params: Any, spec: Any, *args: Any, **k
     obs: dict[int, list[_Obs]] = {}
     token = _observations.set(obs)
     try:
-        with _engine.materialize_policy("allow"):
+        # Uncached: a nested jit body traced before (by `lora` or another
+        # `infer_layout`) would otherwise be reused without recording anything.
+        with _engine.materialize_policy("allow"), _engine.trace_uncached():
             jax.eval_shape(_engine.transform(fn), probe_tree, *args, **kwargs)
     finally:
         _observations.reset(token)

@@ -102,7 +102,7 @@ def _contract_impl(w, b, a, x, x_low, gate, *, structure, factor_scale, lwl, xl,
 # with many same-shaped layers traces and differentiates the rule once, not per layer
 # (JAX caches a jitted function's jaxpr and its linearization; bare `lax` calls in a
 # rule are re-linearized one by one at every use).
-_contract_jit = jax.jit(
+_contract_jit = _engine.rule_jit(
     _contract_impl,
     static_argnames=("structure", "factor_scale", "lwl", "xl", "out", "bl", "al", "lora_first",
                      "dot_params"),

@@ -101,7 +101,7 @@ def _impl(x, w, b, a, group_sizes, rest, x_low, *, plan, factor_scale, params):
 
 
 # Traced once per distinct shapes and parameters (see dot._contract_jit).
-_jit = jax.jit(_impl, static_argnames=("plan", "factor_scale", "params"))
+_jit = _engine.rule_jit(_impl, static_argnames=("plan", "factor_scale", "params"))
 
 
 def rule(x: ArrayLike, lw: LoraWeight, group_sizes: ArrayLike, rest: tuple, params: dict,

@@ -241,5 +241,5 @@ def _sum_squares(w: Any, axes: tuple[int, ...]) -> Array:
 
 _RANK_MAJOR_MIN_RANK = 32
 
-_norm_jit = jax.jit(_norm_impl, static_argnames=("scale", "side", "structure"))
+_norm_jit = _engine.rule_jit(_norm_impl, static_argnames=("scale", "side", "structure"))
 
