@@ -20,7 +20,7 @@ from . import _engine
 from ._spec import LORA_FREEZE, LORA_FULL, LoraSpec, check_spec_structure
 from ._sharding import factor_shardings, place_host_array
 from ._variants.dora import DoraWeight
-from ._weight import LoraWeight, factor_structure
+from ._weight import LoraWeight, factor_structure, normalize_m_axes
 
 _FORMAT = "lorax-adapter/1"
 _DTYPES = {
@@ -144,6 +144,8 @@ def save_adapter(path: str | os.PathLike, lora_params: Any, spec: Any,
             entry = dict(path=key, kind="lora", rank=leaf.rank, alpha=leaf.alpha,
                          batch_ndim=nb, m_ndim=nm, w_shape=list(leaf.w.shape),
                          w_dtype=str(leaf.w.dtype))
+            if not leaf.contiguous:
+                entry.update(m_axes=list(leaf.axes.m))
             if isinstance(leaf, DoraWeight):
                 tensors[key + ".m"] = _to_host(leaf.m)
                 entry.update(kind="dora")
@@ -213,33 +215,35 @@ def load_adapter(path: str | os.PathLike, base_params: Any) -> tuple[Any, Any]:
         if _is_lora(base) and base.rank != e["rank"]:
             raise ValueError(f"load_adapter: {key} has rank {base.rank} in the given LoRA "
                              f"parameters but rank {e['rank']} in the adapter.")
+        m_axes = None if e.get("m_axes") is None else tuple(e["m_axes"])
         if _is_lora(base):
             a_sharding, b_sharding = _array_sharding(base.a), _array_sharding(base.b)
         else:
             try:
                 a_sharding, b_sharding = (
-                    factor_shardings(w, e["batch_ndim"], e["m_ndim"]) or (None, None))
+                    factor_shardings(w, e["batch_ndim"], m_axes or e["m_ndim"]) or (None, None))
             except ValueError as err:
                 raise ValueError(f"load_adapter: {key}: {err}") from None
         a_arr, b_arr = tensors[key + ".a"], tensors[key + ".b"]
         try:
             # Before placing: factors that do not fit `w` would otherwise fail
             # inside the placement with an error about shards, not shapes.
-            factor_structure(tuple(np.shape(w)), a_arr.shape, b_arr.shape)
+            factor_structure(tuple(np.shape(w)), a_arr.shape, b_arr.shape,
+                             normalize_m_axes(np.ndim(w), e["batch_ndim"], m_axes))
         except ValueError as err:
             raise ValueError(f"load_adapter: {key}: {err}") from None
         a, b = place_host_array(a_arr, a_sharding), place_host_array(b_arr, b_sharding)
         try:
             if e["kind"] == "dora":
                 m = place_host_array(tensors[key + ".m"], None)
-                leaves[i] = DoraWeight(w, a=a, b=b, m=m, alpha=e["alpha"])
+                leaves[i] = DoraWeight(w, a=a, b=b, m=m, alpha=e["alpha"], m_axes=m_axes)
             else:
-                leaves[i] = LoraWeight(w, a=a, b=b, alpha=e["alpha"])
+                leaves[i] = LoraWeight(w, a=a, b=b, alpha=e["alpha"], m_axes=m_axes)
         except ValueError as err:
             raise ValueError(f"load_adapter: {key}: {err}") from None
         input_factor = None
         if e["kind"] == "dora":
             input_factor = "b" if leaves[i].output_factor == "a" else "a"
         spec[i] = LoraSpec(e["rank"], e["alpha"], e["batch_ndim"], e["m_ndim"],
-                           dora=e["kind"] == "dora", input_factor=input_factor)
+                           dora=e["kind"] == "dora", input_factor=input_factor, m_axes=m_axes)
     return jax.tree_util.tree_unflatten(treedef, leaves), jax.tree_util.tree_unflatten(treedef, spec)

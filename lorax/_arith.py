@@ -50,8 +50,7 @@ def _matrices(lw: LoraWeight) -> tuple[Array, Array]:
 def _combine(where: str, lws: list[LoraWeight], weights: list[float], how: str,
              svd_rank: int | None) -> LoraWeight:
     lw0 = lws[0]
-    nb, nm, _ = lw0.structure
-    shape = lw0.shape
+    nb = lw0.structure[0]
     ws = [float(w) * lw.scale for w, lw in zip(weights, lws)]
     mats = [_matrices(lw) for lw in lws]
     if how == "linear":
@@ -74,9 +73,9 @@ def _combine(where: str, lws: list[LoraWeight], weights: list[float], how: str,
             a = jnp.swapaxes(qa @ jnp.swapaxes(vh[..., :r, :], -1, -2), -1, -2)
     k = b.shape[-1]
     dtype = lw0.a.dtype
-    a = a.reshape(*shape[:nb], k, *shape[nb + nm:]).astype(dtype)
-    b = b.reshape(*shape[:nb + nm], k).astype(dtype)
-    return LoraWeight(lw0.w, a, b, alpha=float(k))
+    a = a.reshape(*lw0.a.shape[:nb], k, *lw0.a.shape[nb + 1:]).astype(dtype)
+    b = b.reshape(*lw0.b.shape[:-1], k).astype(dtype)
+    return LoraWeight(lw0.w, a, b, alpha=float(k), m_axes=lw0.m_axes)
 
 
 def add_weighted_adapter(
@@ -163,7 +162,7 @@ def add_weighted_adapter(
             if isinstance(lw, DoraWeight):
                 raise ValueError(f"add_weighted_adapter: {where!r} is a DoraWeight; combining "
                                  "DoRA magnitudes is not defined here (merge them first).")
-            if lw.structure[:2] != lora[0][0].structure[:2]:
+            if (lw.structure[:2], lw.m_axes) != (lora[0][0].structure[:2], lora[0][0].m_axes):
                 raise ValueError(f"add_weighted_adapter: {where!r} is factored differently in "
                                  f"the adapters ({lw.structure} vs {lora[0][0].structure}).")
         out.append(_combine(where, [lw for lw, _ in lora], [w for _, w in lora],

@@ -12,7 +12,8 @@ import jax
 import jax.numpy as jnp
 
 from . import _engine
-from ._spec import LORA_FREEZE, LORA_FULL, LoraSpec, as_lora_spec, check_spec_structure, path_str
+from ._spec import (LORA_FREEZE, LORA_FULL, LoraSpec, as_lora_spec, check_spec_structure,
+                    path_str, spec_axes)
 from ._sharding import place_factors
 from ._variants import init as _variant_init
 from ._variants.dora import DoraWeight
@@ -54,19 +55,32 @@ def _check(where: str, spec_val: Any, param: Any) -> LoraSpec | None:
             f"init_lora: {where!r} has dtype {dtype}; LoRA needs a floating-point weight."
         )
     nb = ls.batch_ndim or 0
-    nm = len(shape) - nb - 1 if ls.m_ndim is None else ls.m_ndim
-    if len(shape) - nb < 2 or not 1 <= nm < len(shape) - nb:
+    _, m, n = spec_axes(shape, ls)
+    bad_m_axes = ls.m_axes is not None and (
+        len(set(m)) != len(ls.m_axes) or not all(nb <= i < len(shape) for i in m)
+        or (ls.m_ndim is not None and ls.m_ndim != len(m)))
+    if bad_m_axes or len(shape) - nb < 2 or not m or not n:
         raise ValueError(
             f"init_lora: {where!r} has shape {shape}; a rank-{ls.rank} LoRA with "
-            f"batch_ndim={nb}, m_ndim={ls.m_ndim} needs at least one axis on each side "
-            "of the factorisation."
+            f"batch_ndim={nb}, m_ndim={ls.m_ndim}, m_axes={ls.m_axes} needs at least one "
+            "axis on each side of the factorisation (m_axes: distinct axes after the "
+            "batch axes, as many as m_ndim)."
         )
     if isinstance(ls.rank, bool) or not isinstance(ls.rank, (int, jnp.integer)) or ls.rank < 1:
         raise ValueError(
             f"init_lora: rank {ls.rank!r} at {where!r} must be an integer >= 1 "
             f"(weight of shape {shape})."
         )
-    return LoraSpec(int(ls.rank), ls.alpha, nb, nm, ls.dora, ls.input_factor)
+    contiguous = m == tuple(range(nb, nb + len(m)))
+    return LoraSpec(int(ls.rank), ls.alpha, nb, len(m), ls.dora, ls.input_factor,
+                    None if contiguous else m)
+
+
+def _factor_shapes(shape: tuple[int, ...], ls: LoraSpec) -> tuple[tuple, tuple]:
+    """`(a_shape, b_shape)` for a weight of `shape` factored as the checked `ls`."""
+    batch, m, n = spec_axes(shape, ls)
+    pick = lambda axes: tuple(shape[i] for i in axes)  # noqa: E731
+    return (*pick(batch), ls.rank, *pick(n)), (*pick(batch), *pick(m), ls.rank)
 
 
 def _warn_full_rank(leaves: list, checked: list) -> None:
@@ -76,8 +90,8 @@ def _warn_full_rank(leaves: list, checked: list) -> None:
         if ls is None:
             continue
         shape = tuple(x.shape)
-        nb, nm = ls.batch_ndim, ls.m_ndim
-        m, n = math.prod(shape[nb : nb + nm]), math.prod(shape[nb + nm :])
+        _, m_axes, n_axes = spec_axes(shape, ls)
+        m, n = math.prod(shape[i] for i in m_axes), math.prod(shape[i] for i in n_axes)
         if ls.rank >= min(m, n):
             full.append(f"{path_str(path)} (shape {shape}, M={m}, N={n}, rank {ls.rank})")
     if full:
@@ -174,11 +188,9 @@ def init_lora(
     checked = [_check(path_str(p), s, x) for (p, x), s in zip(leaves, spec_leaves)]
     _warn_full_rank(leaves, checked)
     method = _variant_init.parse(init)
-    shapes = tuple(
-        ((*x.shape[: c.batch_ndim], c.rank, *x.shape[c.batch_ndim + c.m_ndim :]),
-         (*x.shape[: c.batch_ndim + c.m_ndim], c.rank))
-        for (_, x), c in zip(leaves, checked) if c is not None
-    ) if method is None else ()
+    shapes = tuple(_factor_shapes(tuple(x.shape), c)
+                   for (_, x), c in zip(leaves, checked) if c is not None
+                   ) if method is None else ()
     factors = iter(_draw_factors(rng, shapes, jnp.dtype(dtype), stddev))
 
     out = []
@@ -192,14 +204,19 @@ def init_lora(
         where = path_str(path)
         if method is None:
             a, b = next(factors)
+        elif ls.m_axes is not None:
+            raise ValueError(
+                f"init_lora: init={init!r} at {where!r} needs the weight's M and N axes as "
+                f"two contiguous groups; this one has m_axes={ls.m_axes} (shape "
+                f"{tuple(param.shape)}). Use the default init for it.")
         else:
             param, a, b = _variant_init.init_factors(
                 method, param, ls, a_ / k, jax.random.fold_in(rng, i), jnp.dtype(dtype), where)
         try:
-            a, b = place_factors(param, a, b, nb, nm, rank_axis)
+            a, b = place_factors(param, a, b, nb, ls.m_axes or nm, rank_axis)
         except ValueError as err:
             raise ValueError(f"init_lora: {where!r}: {err}") from None
-        lw = LoraWeight(param, a=a, b=b, alpha=a_)
+        lw = LoraWeight(param, a=a, b=b, alpha=a_, m_axes=ls.m_axes)
         if dora or ls.dora:
             lw = DoraWeight.from_lora(lw, input_factor=ls.input_factor or "b")
         out.append(lw)

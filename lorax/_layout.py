@@ -159,30 +159,44 @@ def _(p: _Probe, **params: Any) -> Any:
     return _follow(p, lax.slice_p.bind(p.w, **params), p.current()[0])
 
 
-def _layout_of(obs: list[_Obs], ndim: int) -> tuple[int, int, str | None] | str:
-    """`(batch_ndim, m_ndim, input_factor)` agreed by every use that splits the axes, or a reason why not."""
+def _layout_of(obs: list[_Obs], ndim: int) -> tuple[int, tuple[int, ...], str | None] | str:
+    """`(batch_ndim, m_axes, input_factor)` agreed by every use that splits the axes, or
+    a reason why not.
+
+    Axes a use picks one slice of (`w[i]`, then a dot on the slice) are batch axes: a
+    stack of separately used weights (layers, or a fused gate/up pair) gets factors
+    per slice. Otherwise the `M` (`b`) side is the group of lower axes when the two
+    groups are contiguous (lorax 0.3's layout, `input_factor="a"` when the input
+    contracts the upper group), else the contracted group: PEFT's factorisation of a
+    `(heads, embed, head_dim)` query kernel, `b: (embed, k)`, `a: (k, heads, head_dim)`.
+    """
+    picked = frozenset().union(*(b for b, g, r, what in obs if what == "squeeze"))
+    picked -= frozenset().union(*(g | r for b, g, r, what in obs if g and r))  # used whole too
     layouts = {}
     input_sides = set()
     for batch, group, rest, what in obs:
         if not group or not rest:
             continue  # e.g. squeeze: says which axes are batch, not how to split
+        batch, rest = batch | picked, rest - picked
         nb = len(batch)
         if batch != frozenset(range(nb)):
             return f"{what} uses axes {sorted(batch)} as batch axes, which are not leading"
         first, second = sorted([sorted(group), sorted(rest)])
-        if first != list(range(nb, nb + len(first))) or second != list(range(nb + len(first), ndim)):
-            return (f"{what} contracts axes {sorted(group)} and keeps {sorted(rest)}, "
-                    "which are not two contiguous groups")
-        layouts[(nb, len(first))] = what
-        input_sides.add("b" if sorted(group) == first else "a")
+        if first == list(range(nb, nb + len(first))) and second == list(
+                range(nb + len(first), ndim)):
+            m, side = tuple(first), ("b" if sorted(group) == first else "a")
+        else:
+            m, side = tuple(sorted(group)), "b"
+        layouts[(nb, m)] = what
+        input_sides.add(side)
     if not layouts:
         return "it never reaches a dot_general, conv or gather"
     if len(layouts) > 1:
         return f"its uses disagree on the factorisation: {layouts}"
-    nb, nm = next(iter(layouts))
+    nb, m = next(iter(layouts))
     # The input meets `a` first (an `(out, in)` weight used as `w @ x`) only if every use
     # says so; a table used both ways (a tied embedding) keeps the default.
-    return nb, nm, ("a" if input_sides == {"a"} else None)
+    return nb, m, ("a" if input_sides == {"a"} else None)
 
 
 def infer_layout(fn: Callable[..., Any], params: Any, spec: Any, *args: Any, **kwargs: Any) -> Any:
@@ -269,12 +283,14 @@ def infer_layout(fn: Callable[..., Any], params: Any, spec: Any, *args: Any, **k
                 f"{layout}. Give its factorisation explicitly with "
                 "lorax.LoraSpec(rank, batch_ndim=..., m_ndim=...)."
             )
-        nb, nm, input_factor = layout
-        known = (ls.batch_ndim in (None, nb)) and (ls.m_ndim in (None, nm))
+        nb, m, input_factor = layout
+        contiguous = m == tuple(range(nb, nb + len(m)))
+        known = (ls.batch_ndim in (None, nb)) and (ls.m_ndim in (None, len(m)))
         out.append(dataclasses.replace(
             ls,
             batch_ndim=nb if ls.batch_ndim is None else ls.batch_ndim,
-            m_ndim=nm if ls.m_ndim is None else ls.m_ndim,
+            m_ndim=len(m) if ls.m_ndim is None else ls.m_ndim,
             input_factor=ls.input_factor or (input_factor if known else None),
+            m_axes=ls.m_axes if ls.m_axes is not None or not known or contiguous else m,
         ))
     return jax.tree_util.tree_unflatten(treedef, out)

@@ -27,10 +27,18 @@ def _mesh_axes(entry: Any) -> tuple[Any, ...]:
     return tuple(entry) if isinstance(entry, tuple) else (entry,)
 
 
+def _groups(ndim: int, n_batch: int, n_m: int | tuple[int, ...]) -> tuple[list, list, list]:
+    """A weight's batch, `M` and `N` axes; `n_m` is the `M` axes' count when they
+    follow the batch axes, else the `M` axes themselves (`LoraWeight.axes.m`)."""
+    m = list(range(n_batch, n_batch + n_m)) if isinstance(n_m, int) else list(n_m)
+    return list(range(n_batch)), m, [d for d in range(n_batch, ndim) if d not in m]
+
+
 def factor_specs(
-    spec: Any, ndim: int, n_batch: int, n_m: int, rank_axis: str | None = None
+    spec: Any, ndim: int, n_batch: int, n_m: int | tuple[int, ...],
+    rank_axis: str | None = None,
 ) -> tuple[PartitionSpec, PartitionSpec]:
-    """`(a_spec, b_spec)` for a weight of rank `ndim` laid out as `spec`.
+    """`(a_spec, b_spec)` for a weight of rank `ndim` laid out as `spec` (`n_m`: see `_groups`).
 
     Raises `ValueError` (saying what is wrong, for the caller to prefix with the
     parameter's path) when no factor layout follows from `spec`: a spec longer than
@@ -54,20 +62,21 @@ def factor_specs(
             f"rank_axis {rank_axis!r} already shards the weight (spec {spec}); the "
             "factors would need it twice. Name a mesh axis the weight does not use."
         )
-    batch, m, n = entries[:n_batch], entries[n_batch : n_batch + n_m], entries[n_batch + n_m :]
+    batch, m, n = ([entries[d] for d in group] for group in _groups(ndim, n_batch, n_m))
     return PartitionSpec(*batch, rank_axis, *n), PartitionSpec(*batch, *m, rank_axis)
 
 
-def factor_dims(ndim: int, n_batch: int, n_m: int) -> tuple[dict[int, int], dict[int, int]]:
+def factor_dims(ndim: int, n_batch: int,
+                n_m: int | tuple[int, ...]) -> tuple[dict[int, int], dict[int, int]]:
     """Where each of `W`'s axes sits in `a` and in `b` (`{w_axis: factor_axis}`)."""
-    a_dims = {d: d if d < n_batch else d - n_m + 1
-              for d in range(ndim) if not n_batch <= d < n_batch + n_m}
-    b_dims = {d: d for d in range(n_batch + n_m)}
+    batch, m, n = _groups(ndim, n_batch, n_m)
+    a_dims = {**{d: d for d in batch}, **{d: n_batch + 1 + i for i, d in enumerate(n)}}
+    b_dims = {**{d: d for d in batch}, **{d: n_batch + i for i, d in enumerate(m)}}
     return a_dims, b_dims
 
 
 def factor_shardings(
-    w: Any, n_batch: int, n_m: int, rank_axis: str | None = None
+    w: Any, n_batch: int, n_m: int | tuple[int, ...], rank_axis: str | None = None
 ) -> tuple[Any, Any] | None:
     """`(a_sharding, b_sharding)` for a weight, or `None` if `w` is not `NamedSharding`-sharded."""
     sharding = getattr(w, "sharding", None)
@@ -77,7 +86,7 @@ def factor_shardings(
     return NamedSharding(sharding.mesh, a_spec), NamedSharding(sharding.mesh, b_spec)
 
 
-def place_factors(w: Any, a: Any, b: Any, n_batch: int, n_m: int,
+def place_factors(w: Any, a: Any, b: Any, n_batch: int, n_m: int | tuple[int, ...],
                   rank_axis: str | None = None) -> tuple[Any, Any]:
     """`a` and `b` moved onto the shardings derived from `w`'s (unchanged if it has none).
 

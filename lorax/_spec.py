@@ -41,6 +41,11 @@ class LoraSpec:
       decides the side of DoRA's magnitude, which factor LoRA+ speeds up and the
       orientation of the `"gaussian"` and `"olora"` initialisations. `None`: `"b"`,
       unless [`lorax.infer_layout`][] saw otherwise.
+    - `m_axes`: the weight's axes on `b`'s side when they are not the `m_ndim` axes
+      right after the batch axes (see [`lorax.LoraWeight`][]); `a` gets the other
+      non-batch axes. A Gemma `(heads, embed, head_dim)` query kernel takes
+      `m_axes=(1,)`: `b: (embed, k)`, `a: (k, heads, head_dim)`, PEFT's `q_proj`
+      factorisation. `None`: from `m_ndim`, unless [`lorax.infer_layout`][] saw otherwise.
 
     !!! Example
 
@@ -59,14 +64,28 @@ class LoraSpec:
     m_ndim: int | None = None
     dora: bool = False
     input_factor: Literal["a", "b"] | None = None
+    m_axes: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
+        if self.m_axes is not None:
+            object.__setattr__(self, "m_axes", tuple(int(i) for i in self.m_axes))
         if self.input_factor not in (None, "a", "b"):
             raise ValueError(
                 f"LoraSpec.input_factor must be 'a', 'b' or None, got {self.input_factor!r}.")
 
 
 SpecValue = Union[int, LoraSpec]
+
+
+def spec_axes(shape: tuple[int, ...], ls: LoraSpec) -> tuple[tuple[int, ...], ...]:
+    """`(batch, m, n)`: the axes of a weight of `shape` that `ls` puts in each group
+    (absolute, increasing; `m` from `m_axes`, else the `m_ndim` axes after the batch)."""
+    ndim, nb = len(shape), ls.batch_ndim or 0
+    if ls.m_axes is not None:
+        m = tuple(sorted(i % ndim if -ndim <= i < ndim else ndim for i in ls.m_axes))
+    else:
+        m = tuple(range(nb, nb + (ndim - nb - 1 if ls.m_ndim is None else ls.m_ndim)))
+    return tuple(range(nb)), m, tuple(i for i in range(nb, ndim) if i not in m)
 
 
 def as_lora_spec(value: Any) -> LoraSpec | None:
@@ -294,15 +313,14 @@ def summary(params: Any, spec: Any) -> SpecSummary:
         total += size
         ls = as_lora_spec(spec_val)
         if ls is not None:
-            nb = ls.batch_ndim or 0
-            nm = len(shape) - nb - 1 if ls.m_ndim is None else ls.m_ndim
+            batch, m, n = spec_axes(shape, ls)
             n_lora += 1
-            trainable += math.prod(shape[:nb]) * ls.rank * (
-                math.prod(shape[nb : nb + nm]) + math.prod(shape[nb + nm :])
+            trainable += math.prod(shape[i] for i in batch) * ls.rank * (
+                math.prod(shape[i] for i in m) + math.prod(shape[i] for i in n)
             )
             if ls.dora:  # one magnitude per output feature
-                side = shape[nb : nb + nm] if ls.input_factor == "a" else shape[nb + nm :]
-                trainable += math.prod(shape[:nb]) * math.prod(side)
+                side = m if ls.input_factor == "a" else n
+                trainable += math.prod(shape[i] for i in (*batch, *side))
         elif spec_val == LORA_FULL:
             n_full += 1
             trainable += size

@@ -139,7 +139,8 @@ def stack_adapters(adapters: Sequence[Any]) -> Any:
                     f"stack_adapters: {where!r} in adapter {i} is a DoraWeight; DoRA's "
                     "magnitude and norm are per adapter, which stacks do not carry yet. "
                     "Merge it (lorax.merge_params) or use plain LoRA adapters.")
-            if lw.structure[:2] != leaf0.structure[:2] or lw.shape != leaf0.shape:
+            if ((lw.structure[:2], lw.m_axes) != (leaf0.structure[:2], leaf0.m_axes)
+                    or lw.shape != leaf0.shape):
                 raise ValueError(
                     f"stack_adapters: {where!r} is factored differently in adapter {i} "
                     f"(shape {lw.shape}, structure {lw.structure}) than in adapter 0 "
@@ -164,7 +165,8 @@ def stack_adapters(adapters: Sequence[Any]) -> Any:
         else:  # the stack's scale is 1: each adapter's own scale goes into its b
             scale = 1.0
             b = [padded(lw.b * jnp.asarray(lw.scale, lw.b.dtype), lw.b.ndim - 1) for lw in leaves]
-        one = LoraWeight(leaf0.w, a[0], b[0], alpha=scale * k)  # checks the factorisation
+        one = LoraWeight(leaf0.w, a[0], b[0], alpha=scale * k,  # checks the factorisation
+                         m_axes=leaf0.m_axes)
         out.append(eqx.tree_at(lambda l: (l.a, l.b), one, (jnp.stack(a), jnp.stack(b))))
     return jax.tree_util.tree_unflatten(treedef, out)
 
@@ -409,14 +411,14 @@ def _side_by_side(lw: LoraWeight, choice: Array) -> MixedWeight:
     """A stacked `LoraWeight` (`a: (n, *batch, k, ...)`) as one weight of rank `n*k` with
     a gate per example (`choice: (examples, n)`, one-hot)."""
     n = lw.a.shape[0]
-    nb = factor_structure(lw.w.shape, lw.a.shape[1:], lw.b.shape[1:])[0]
+    nb = factor_structure(lw.w.shape, lw.a.shape[1:], lw.b.shape[1:], lw.m_axes)[0]
     k = lw.a.shape[nb + 1]
     batch = lw.a.shape[1 : nb + 1]
     a = jnp.moveaxis(lw.a, 0, nb)
     a = a.reshape(*batch, n * k, *a.shape[nb + 2 :])
     b = jnp.moveaxis(lw.b, 0, -2)
     b = b.reshape(*b.shape[:-2], n * k)
-    one = LoraWeight(lw.w, a, b, alpha=lw.scale * n * k)
+    one = LoraWeight(lw.w, a, b, alpha=lw.scale * n * k, m_axes=lw.m_axes)
     gate = jnp.repeat(choice, k, axis=1).astype(jnp.result_type(lw.a))     # (examples, n*k)
     gate = jnp.broadcast_to(gate.reshape(gate.shape[0], *(1,) * nb, n * k),
                             (gate.shape[0], *batch, n * k))

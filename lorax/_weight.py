@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, NamedTuple
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import Array, lax
 from jax.typing import ArrayLike
 
@@ -15,39 +16,86 @@ from . import _engine
 from ._sharding import weight_aval
 
 
+class FactorAxes(NamedTuple):
+    """Which of a weight's axes are batch axes, `b`'s (`M`) axes and `a`'s (`N`) axes.
+
+    Each is a tuple of axes of `w`, in increasing order: `b` is
+    `(*batch, *(w.shape[i] for i in m), k)` and `a` is `(*batch, k, *(w.shape[i] for i in n))`.
+    """
+
+    batch: tuple[int, ...]
+    m: tuple[int, ...]
+    n: tuple[int, ...]
+
+
 def factor_structure(
-    w_shape: tuple[int, ...], a_shape: tuple[int, ...], b_shape: tuple[int, ...]
+    w_shape: tuple[int, ...], a_shape: tuple[int, ...], b_shape: tuple[int, ...],
+    m_axes: tuple[int, ...] | None = None,
 ) -> tuple[int, int, int]:
     """Split a weight's axes into `(n_batch, n_in, n_out)` groups from factor shapes.
 
     `w` is `(*batch, *M, *N)`, `b` is `(*batch, *M, k)` and `a` is `(*batch, k, *N)`,
     so the three ranks determine the groups: no metadata needs to travel with the
     pytree, and slicing a stacked weight inside `lax.scan` keeps it consistent.
+    With `m_axes` (negative axes of `w`, see `LoraWeight`) the `M` axes are those,
+    wherever they sit after the batch axes, and `N` the other non-batch axes.
     """
-    structure = _structure(tuple(w_shape), tuple(a_shape), tuple(b_shape))
+    structure = _structure(tuple(w_shape), tuple(a_shape), tuple(b_shape), m_axes)
     if structure is None:
+        where = ("w: (*batch, *M, *N)" if m_axes is None
+                 else f"w: (*batch, ...) with M at axes {m_axes} and N the others")
         raise ValueError(
-            "LoraWeight factor shapes do not fit the weight: expected "
-            "w: (*batch, *M, *N), b: (*batch, *M, k), a: (*batch, k, *N), got "
-            f"w: {tuple(w_shape)}, b: {tuple(b_shape)}, a: {tuple(a_shape)}."
+            f"LoraWeight factor shapes do not fit the weight: expected {where}, "
+            f"b: (*batch, *M, k), a: (*batch, k, *N), got w: {tuple(w_shape)}, "
+            f"b: {tuple(b_shape)}, a: {tuple(a_shape)}."
         )
     return structure
 
 
+def factor_axes(w_shape: tuple[int, ...], structure: tuple[int, int, int],
+                m_axes: tuple[int, ...] | None) -> FactorAxes:
+    """The `FactorAxes` of a weight of `w_shape` (absolute, increasing axes)."""
+    nb, nm, _ = structure
+    ndim = len(w_shape)
+    m = tuple(range(nb, nb + nm)) if m_axes is None else tuple(ndim + i for i in m_axes)
+    n = tuple(i for i in range(nb, ndim) if i not in m)
+    return FactorAxes(tuple(range(nb)), m, n)
+
+
+def normalize_m_axes(ndim: int, n_batch: int, m_axes: Any) -> tuple[int, ...] | None:
+    """`m_axes` as stored: sorted negative axes, or `None` for the contiguous default."""
+    if m_axes is None:
+        return None
+    axes = sorted({int(i) % ndim if -ndim <= int(i) < ndim else ndim for i in m_axes})
+    if len(axes) != len(tuple(m_axes)) or not axes or axes[0] < n_batch or axes[-1] >= ndim \
+            or len(axes) == ndim - n_batch:
+        raise ValueError(
+            f"LoraWeight m_axes must be distinct axes of w after its {n_batch} batch "
+            f"axes, leaving at least one for a's side; got {tuple(m_axes)} for a "
+            f"{ndim}-d weight.")
+    if axes == list(range(n_batch, n_batch + len(axes))):
+        return None  # contiguous: lorax 0.3's layout, stored as such
+    return tuple(i - ndim for i in axes)
+
+
 @functools.lru_cache(maxsize=4096)
 def _structure(w_shape: tuple[int, ...], a_shape: tuple[int, ...],
-               b_shape: tuple[int, ...]) -> tuple[int, int, int] | None:
+               b_shape: tuple[int, ...],
+               m_axes: tuple[int, ...] | None = None) -> tuple[int, int, int] | None:
     n_batch = len(b_shape) + len(a_shape) - len(w_shape) - 2
     n_m = len(b_shape) - n_batch - 1
     n_n = len(a_shape) - n_batch - 1
     if n_batch < 0 or n_m < 1 or n_n < 1:
         return None
+    if m_axes is not None and (len(m_axes) != n_m or min(m_axes) < n_batch - len(w_shape)):
+        return None
     batch = w_shape[:n_batch]
+    _, m, n = factor_axes(w_shape, (n_batch, n_m, n_n), m_axes)
     ok = (
         b_shape[:n_batch] == batch
         and a_shape[:n_batch] == batch
-        and b_shape[n_batch:-1] == w_shape[n_batch : n_batch + n_m]
-        and a_shape[n_batch + 1 :] == w_shape[n_batch + n_m :]
+        and b_shape[n_batch:-1] == tuple(w_shape[i] for i in m)
+        and a_shape[n_batch + 1 :] == tuple(w_shape[i] for i in n)
         and a_shape[n_batch] == b_shape[-1]
     )
     return (n_batch, n_m, n_n) if ok else None
@@ -82,6 +130,12 @@ class LoraWeight(_engine.ArrayValue, metaclass=_engine.FastPytreeMeta):
     Inside a function wrapped by [`lorax.lora`][], a `LoraWeight` behaves like the
     array `w + (alpha / k) * b @ a` without that array ever being formed.
 
+    The `M` and `N` axes need not be contiguous: with `m_axes`, `b` holds the
+    axes of `w` listed there and `a` the other non-batch axes, each in `w`'s order.
+    A Gemma query kernel `w: (heads, embed, head_dim)` used as `btd,ndh->btnh` has
+    PEFT's `q_proj` factorisation with `m_axes=(1,)`: `b: (embed, k)`,
+    `a: (k, heads, head_dim)`.
+
     lorax 0.3's conv layout, `w: (*window, in, out)`, `b: (*window, in, k)`,
     `a: (1, ..., 1, k, out)`, is accepted and stored as `a: (k, out)`: the same
     values and the same effective weight.
@@ -96,6 +150,9 @@ class LoraWeight(_engine.ArrayValue, metaclass=_engine.FastPytreeMeta):
     - `a`: the factor on `w`'s output (`N`) side, `(*batch, k, *N)`.
     - `b`: the factor on `w`'s input (`M`) side, `(*batch, *M, k)`.
     - `alpha`: the LoRA scaling numerator; the update is scaled by `alpha / k`.
+    - `m_axes`: the axes of `w` on `b`'s side, when they are not the ones right
+      after the batch axes (`None`, the default: `w: (*batch, *M, *N)`). Kept as
+      negative axes, so slicing leading batch axes (as `lax.scan` does) keeps it.
 
     !!! Example
 
@@ -114,18 +171,25 @@ class LoraWeight(_engine.ArrayValue, metaclass=_engine.FastPytreeMeta):
     a: Array
     b: Array
     alpha: float = eqx.field(static=True, default=1.0)
+    m_axes: tuple[int, ...] | None = eqx.field(static=True, default=None)
 
     # The leaves training updates (`w` is the frozen one): partition, optimizers and
     # adapters read this rather than naming fields.
     trainable_fields = ("a", "b")
 
-    def __init__(self, w: ArrayLike, a: ArrayLike, b: ArrayLike, alpha: float = 1.0):
+    def __init__(self, w: ArrayLike, a: ArrayLike, b: ArrayLike, alpha: float = 1.0, *,
+                 m_axes: tuple[int, ...] | None = None):
         if isinstance(alpha, jax.core.Tracer) or jnp.ndim(alpha) != 0:
             raise TypeError(
                 f"LoraWeight.alpha must be a Python number (it is static), got {alpha!r}."
             )
         w_shape, a_shape, b_shape = _shape(w), _shape(a), _shape(b)
-        if _structure(w_shape, a_shape, b_shape) is None:
+        if m_axes is not None:
+            n_batch = len(b_shape) + len(a_shape) - len(w_shape) - 2
+            m_axes = normalize_m_axes(len(w_shape), max(n_batch, 0), m_axes)
+        if m_axes is not None:
+            factor_structure(w_shape, a_shape, b_shape, m_axes)  # raises, saying what fits
+        elif _structure(w_shape, a_shape, b_shape) is None:
             a_shape03 = lorax03_conv_a(w_shape, a_shape, b_shape)
             if a_shape03 is not None:
                 a = a.reshape(a_shape03) if hasattr(a, "reshape") else jnp.reshape(a, a_shape03)
@@ -135,6 +199,7 @@ class LoraWeight(_engine.ArrayValue, metaclass=_engine.FastPytreeMeta):
         self.a = a
         self.b = b
         self.alpha = float(alpha)
+        self.m_axes = m_axes
 
     # -- array-ish interface -------------------------------------------------
     def aval(self) -> jax.core.ShapedArray:
@@ -156,15 +221,26 @@ class LoraWeight(_engine.ArrayValue, metaclass=_engine.FastPytreeMeta):
     @property
     def structure(self) -> tuple[int, int, int]:
         """`(n_batch, n_in, n_out)`: how many of `w`'s axes are batch, `M` and `N` axes."""
-        return factor_structure(self.w.shape, self.a.shape, self.b.shape)
+        return factor_structure(self.w.shape, self.a.shape, self.b.shape, self.m_axes)
+
+    @property
+    def axes(self) -> FactorAxes:
+        """Which axes of `w` are batch, `M` (`b`'s) and `N` (`a`'s) axes."""
+        return factor_axes(tuple(self.w.shape), self.structure, self.m_axes)
+
+    @property
+    def contiguous(self) -> bool:
+        """Whether `w` is laid out `(*batch, *M, *N)` (lorax 0.3's layout)."""
+        return self.m_axes is None
 
     def delta(self) -> Array:
         """The update `(alpha / k) * b @ a`, in `w`'s dtype and shape."""
-        nb = self.structure[0]
-        batch = tuple(range(nb))
+        batch, m, n = self.axes
+        nb = len(batch)
         ba = lax.dot_general(
             self.b, self.a, (((self.b.ndim - 1,), (nb,)), (batch, batch))
-        )
+        )  # (*batch, *M, *N): put each axis back where `w` has it
+        ba = lax.transpose(ba, tuple(int(i) for i in np.argsort((*batch, *m, *n))))
         return (self.scale * ba).astype(self.w.dtype)
 
     def materialize(self) -> Array:
@@ -188,9 +264,10 @@ class LoraWeight(_engine.ArrayValue, metaclass=_engine.FastPytreeMeta):
         return _engine.materialize_fallback(primitive, values, params)
 
     def __repr__(self) -> str:
+        extra = "" if self.m_axes is None else f", m_axes={self.axes.m}"
         return (
             f"LoraWeight(w={_short(self.w)}, a={_short(self.a)}, b={_short(self.b)}, "
-            f"alpha={self.alpha})"
+            f"alpha={self.alpha}{extra})"
         )
 
 

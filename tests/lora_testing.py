@@ -36,12 +36,15 @@ def dense(tree):
 
 
 def np_materialize(lw):
-    """`w + (alpha/k) b @ a` in numpy, independent of `LoraWeight.materialize`."""
-    nb, _, _ = lw.structure
+    """`w + (alpha/k) b @ a` in numpy, independent of `LoraWeight.materialize` (with
+    non-contiguous `m_axes`, each axis of `b @ a` goes back where `w` has it)."""
+    batch, m, n = lw.axes
     w, b, a = (np.asarray(v, np.float64) for v in (lw.w, lw.b, lw.a))
-    batch, k = w.shape[:nb], lw.rank
-    ba = b.reshape(math.prod(batch), -1, k) @ a.reshape(math.prod(batch), k, -1)
-    return w + lw.alpha / k * ba.reshape(w.shape)
+    k = lw.rank
+    ba = b.reshape(math.prod(w.shape[i] for i in batch), -1, k) @ a.reshape(
+        math.prod(w.shape[i] for i in batch), k, -1)
+    ba = ba.reshape([w.shape[i] for i in (*batch, *m, *n)])
+    return w + lw.alpha / k * np.transpose(ba, np.argsort((*batch, *m, *n)))
 
 
 def float_leaves(tree):

@@ -87,7 +87,14 @@ def test_explicit_values_win_and_unusable_layouts_fail_with_path():
     params = {"odd": jnp.zeros((2, 4, 3)), "unused": jnp.zeros((4, 4))}
     explicit = {"odd": lorax.LoraSpec(1, batch_ndim=0, m_ndim=2), "unused": lorax.LoraSpec(1, batch_ndim=0, m_ndim=1)}
     assert lorax.infer_layout(f, params, explicit, jnp.ones((3, 2))) == explicit
-    with pytest.raises(ValueError, match=r"'odd'.*axes \[0, 2\] and keeps \[1\].*not two contiguous"):
-        lorax.infer_layout(f, params, {"odd": 1, "unused": 0}, jnp.ones((3, 2)))
+    # Contracting axes 0 and 2 and keeping 1: M = (0, 2), not contiguous, is a factorisation.
+    got = lorax.infer_layout(f, params, {"odd": 1, "unused": 0}, jnp.ones((3, 2)))["odd"]
+    assert (got.batch_ndim, got.m_ndim, got.m_axes) == (0, 2, (0, 2))
+
+    def g(params, x):  # a dot batch dimension that is not a leading axis of the weight
+        return jnp.einsum("bh,hob->bo", x, params["odd"])
+
+    with pytest.raises(ValueError, match=r"'odd'.*axes \[2\] as batch axes, which are not leading"):
+        lorax.infer_layout(g, params, {"odd": 1, "unused": 0}, jnp.ones((3, 2)))
     with pytest.raises(ValueError, match="'unused'.*never reaches"):
         lorax.infer_layout(f, params, {"odd": 0, "unused": 1}, jnp.ones((3, 2)))

@@ -53,7 +53,7 @@ def _magnitude(fn_name: str, path: str, lw: DoraWeight, lays: list[str]) -> np.n
             f"{fn_name}: {path!r} is a DoraWeight used by {len(lays)} torch modules; PEFT's "
             "DoRA normalises each module over its own input axes, which one magnitude cannot "
             "express. Merge it (lorax.merge_params) or save it with lorax.save_adapter.")
-    side = magnitude_side(tuple(lw.w.shape), tuple(lw.m.shape), lw.structure)
+    side = magnitude_side(tuple(lw.w.shape), tuple(lw.m.shape), lw.axes)
     if side != _torch.output_side(lays[0]):
         raise ValueError(
             f"{fn_name}: {path!r} is a DoraWeight with its magnitude on {side!r}'s side, but "
@@ -73,7 +73,9 @@ def export_modules(fn_name: str, lora_params: Any, module_name: Any, layout: Any
         raise ValueError(f"{fn_name}: lora_params has no LoraWeight leaves: nothing to export.")
     for path, parts, lw in leaves:
         n_b, n_m, n_n = lw.structure
-        shape = tuple(lw.shape)
+        # Torch's 2-D weight flattens M then N: read a non-contiguous weight in that order.
+        order = (*lw.axes.batch, *lw.axes.m, *lw.axes.n)
+        shape = tuple(lw.shape[d] for d in order)
         given = _torch.given_layout(layout, path, parts)
         if isinstance(given, (tuple, list)):  # one layout per module of a tied weight
             lays = list(given)
@@ -87,6 +89,7 @@ def export_modules(fn_name: str, lora_params: Any, module_name: Any, layout: Any
             _torch.check_layout(fn_name, repr(path), lay, n_m, n_n, shape)
         a, b = _to_host(lw.a), _to_host(lw.b)
         mag = _magnitude(fn_name, path, lw, lays) if isinstance(lw, DoraWeight) else None
+        mag = None if mag is None else np.transpose(mag, order)
         if dtype is not None:
             a, b = a.astype(dtype), b.astype(dtype)
             mag = None if mag is None else mag.astype(dtype)

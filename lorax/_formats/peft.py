@@ -506,13 +506,24 @@ def load_peft(
             raise ValueError(f"load_peft: {path!r} maps to {len(groups[0])} modules "
                              f"{groups[0]} but has {len(givens)} layouts {tuple(givens)}.")
         per_shape = shape[1:] if stacked else shape
-        m_hint = None
+        m_hint, m_axes = None, None
         if isinstance(leaf, LoraWeight):  # its factorisation decides where factors could fit two ways
             n_b_have, m_hint, _ = leaf.structure
             if n_b_have != int(stacked):
                 raise ValueError(
                     f"load_peft: {path!r} is a LoraWeight with {n_b_have} batch axes but the "
                     f"adapter has {'per-layer modules' if stacked else 'one module'} for it.")
+            if not leaf.contiguous:
+                # Torch's 2-D weight is (M..., N...) flattened: read the factors against
+                # that order of `w`'s axes (a Gemma (heads, embed, head_dim) q kernel
+                # is torch's (heads * head_dim, embed) q_proj).
+                if use_dora:
+                    raise ValueError(
+                        f"load_peft: {path!r} has M axes {leaf.axes.m} and N axes "
+                        f"{leaf.axes.n} that are not contiguous; DoRA magnitudes are not "
+                        "read onto such a weight.")
+                m_axes = leaf.axes.m
+                per_shape = tuple(shape[d] for d in (*leaf.axes.m, *leaf.axes.n))
         loaded: dict[int, tuple[np.ndarray, np.ndarray, int, float]] = {}
         for index, group in enumerate(groups):
             present = [n for n in group if n in modules]
@@ -592,8 +603,8 @@ def load_peft(
         a = place_host_array(np.asarray(a, dtype), a_sh)
         b = place_host_array(np.asarray(b, dtype), b_sh)
         if mag is None:
-            leaves[i] = LoraWeight(w, a=a, b=b, alpha=float(alpha))
-            spec[i] = LoraSpec(int(k), float(alpha), n_b, m)
+            leaves[i] = LoraWeight(w, a=a, b=b, alpha=float(alpha), m_axes=m_axes)
+            spec[i] = LoraSpec(int(k), float(alpha), n_b, m, m_axes=m_axes)
         else:
             m_sh = _array_sharding(leaf.m) if isinstance(leaf, DoraWeight) else None
             leaves[i] = DoraWeight(w, a=a, b=b, m=place_host_array(np.asarray(mag, dtype), m_sh),

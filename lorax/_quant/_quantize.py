@@ -9,7 +9,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from .._spec import LORA_FREEZE, as_lora_spec, check_spec_structure, path_str
+from .._spec import LORA_FREEZE, as_lora_spec, check_spec_structure, path_str, spec_axes
 from . import _formats as F
 from ._array import QuantizedArray, check_quantizable
 
@@ -19,9 +19,10 @@ def _block_axis(spec_val: Any, ndim: int) -> int | None:
     ls = as_lora_spec(spec_val)
     if ls is None:
         return -2 if spec_val == LORA_FREEZE else None
-    nb = ls.batch_ndim or 0
-    nm = ndim - nb - 1 if ls.m_ndim is None else ls.m_ndim
-    return nb + nm - 1 - ndim  # the last of the M (input) axes, counted from the end
+    m = spec_axes((0,) * ndim, ls)[1]
+    if not m:  # no factorisation fits (init_lora says why): the default axis
+        return -2
+    return m[-1] - ndim  # the last of the M (input) axes, counted from the end
 
 
 def quantize(

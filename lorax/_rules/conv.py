@@ -43,7 +43,7 @@ def lora_conv(lhs: Any, rhs: LoraWeight, lhs_low: Any, dn: lax.ConvDimensionNumb
     when `None`; `gate`: a mixed batch's `(k,)` rank gate, or `None`)."""
     nb, nm, nn = rhs.structure
     out_axis = dn.rhs_spec[0]
-    if nb == 0 and feature_group_count == 1 and batch_group_count == 1:
+    if rhs.contiguous and nb == 0 and feature_group_count == 1 and batch_group_count == 1:
         if nn == 1 and out_axis == rhs.ndim - 1:
             f_in, f_out = rhs.b, jnp.swapaxes(rhs.a, 0, 1)  # (..., k), (O, k)
         elif nm == 1 and out_axis == 0:

@@ -23,9 +23,8 @@ def factor_labels(
     lw: LoraWeight, labels: Sequence[int], fresh: Iterator[int]
 ) -> tuple[Labels, Labels, int]:
     """Labels of `b` and `a` given `w`'s labels, with a fresh label for the rank axis."""
-    nb, nm, _ = lw.structure
+    batch, m, n = ([labels[i] for i in group] for group in lw.axes)
     k = next(fresh)
-    batch, m, n = labels[:nb], labels[nb : nb + nm], labels[nb + nm :]
     return (*batch, *m, k), (*batch, k, *n), k
 
 
@@ -56,7 +55,7 @@ def lora_contract(
     """
     bl, al, _ = factor_labels(lw, lwl, fresh)
     static = dict(
-        structure=lw.structure, factor_scale=lw.scale, lwl=tuple(lwl), xl=tuple(xl),
+        n_batch=lw.structure[0], factor_scale=lw.scale, lwl=tuple(lwl), xl=tuple(xl),
         out=tuple(out), bl=bl, al=al, lora_first=lora_first,
         dot_params=tuple(sorted(dot_params.items())),
     )
@@ -67,14 +66,14 @@ def lora_contract(
     return _contract_jit(lw.w, lw.b, lw.a, x, x_low, gate, **static)
 
 
-def _contract_impl(w, b, a, x, x_low, gate, *, structure, factor_scale, lwl, xl, out, bl, al, lora_first,
-                   dot_params):
+def _contract_impl(w, b, a, x, x_low, gate, *, n_batch, factor_scale, lwl, xl, out, bl, al,
+                   lora_first, dot_params):
     dot_params = dict(dot_params)
     b = b.astype(w.dtype)
     a = a.astype(w.dtype)
-    nb, nm, _ = structure
-    hits_n = any(l in xl for l in lwl[nb + nm :])
-    hits_m = any(l in xl for l in lwl[nb : nb + nm])
+    nb = n_batch
+    hits_n = any(l in xl for l in al[nb + 1 :])
+    hits_m = any(l in xl for l in bl[nb:-1])
     if hits_n and not hits_m:
         (f1, f1l), (f2, f2l) = (a, al), (b, bl)
     else:
@@ -104,7 +103,7 @@ def _contract_impl(w, b, a, x, x_low, gate, *, structure, factor_scale, lwl, xl,
 # rule are re-linearized one by one at every use).
 _contract_jit = _engine.rule_jit(
     _contract_impl,
-    static_argnames=("structure", "factor_scale", "lwl", "xl", "out", "bl", "al", "lora_first",
+    static_argnames=("n_batch", "factor_scale", "lwl", "xl", "out", "bl", "al", "lora_first",
                      "dot_params"),
 )
 

@@ -88,6 +88,8 @@ def lora_gather(lw: LoraWeight, indices: ArrayLike, dimension_numbers: lax.Gathe
     """The gather rule; `gate` (a mixed batch's `(*batch, k)` rank gate) scales the
     rank axis of a lookup's low-rank path. A pick of layers returns a `LoraWeight`
     (the caller carries the gate); `None` when no low-rank form fits."""
+    if not lw.contiguous:
+        return None  # the lookups below read `M` and `N` as two runs of axes
     nb, nm, nn = lw.structure
     dn, indices = _drop_whole_columns(dimension_numbers, indices, slice_sizes, lw.shape, params.get("mode"))
     touched = _touched(dn, slice_sizes, lw.shape)

@@ -39,6 +39,8 @@ class Plan(NamedTuple):
 def plan(lw: LoraWeight, lhs_ndim: int, dn: Any) -> Plan | str:
     """How to split `ragged_dot_general(x, lw)` into two rank-`k` ones, or why not."""
     (lc, rc), (lb, rb) = dn.dot_dimension_numbers
+    if not lw.contiguous:
+        return f"its M axes {lw.axes.m} and N axes {lw.axes.n} are not two contiguous groups"
     nb, nm, nn = lw.structure
     groups = tuple(dn.rhs_group_dimensions)
     if not groups:

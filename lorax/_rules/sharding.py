@@ -39,21 +39,21 @@ def _shard_map(operands: Sequence[Any], in_specs: tuple) -> _engine.ShardMapPlan
             continue
         if type(x) is not LoraWeight:  # a DoraWeight's magnitude has no spec of its own
             return f"operand {i} is a {type(x).__name__}, which lorax cannot split into arrays"
-        nb, nm, _ = x.structure
         try:
-            a_spec, b_spec = factor_specs(spec, x.ndim, nb, nm)
+            a_spec, b_spec = factor_specs(spec, x.ndim, x.structure[0], x.axes.m)
         except ValueError as err:
             return f"operand {i}, a LoraWeight of shape {tuple(x.shape)}: {err}"
         leaves += [x.w, x.a, x.b]
         specs += [spec, a_spec, b_spec]
-        rebuilders.append((3, x.alpha))
+        rebuilders.append((3, (x.alpha, x.m_axes)))
 
     def rebuild(flat: Sequence[Any]) -> list:
         flat = list(flat)
         out = []
         for n, alpha in rebuilders:
             taken, flat = flat[:n], flat[n:]
-            out.append(taken[0] if alpha is None else LoraWeight(*taken, alpha=alpha))
+            out.append(taken[0] if alpha is None
+                       else LoraWeight(*taken, alpha=alpha[0], m_axes=alpha[1]))
         return out
 
     return _engine.ShardMapPlan(leaves, tuple(specs), rebuild)
@@ -70,7 +70,7 @@ def _(lw: LoraWeight, *, axes: Any) -> Any:
         new = tuple(a for a in axes if a not in varying_axes(x))
         return pvary_p.bind(x, axes=new) if new else x
 
-    return LoraWeight(vary(lw.w), a=vary(lw.a), b=vary(lw.b), alpha=lw.alpha)
+    return LoraWeight(vary(lw.w), a=vary(lw.a), b=vary(lw.b), alpha=lw.alpha, m_axes=lw.m_axes)
 
 
 # -- with_sharding_constraint -----------------------------------------------------------
@@ -88,12 +88,12 @@ def _(lw: LoraWeight, *, sharding: Any, layout: Any, context_mesh: Any,
         return _engine.materialize_fallback(
             sharding_constraint_p, [lw], params,
             f"factor shardings are derived from a NamedSharding, got {type(sharding).__name__}")
-    nb, nm, _ = lw.structure
+    nb, m = lw.structure[0], lw.axes.m
     try:
-        a_spec, b_spec = factor_specs(sharding.spec, lw.ndim, nb, nm)
+        a_spec, b_spec = factor_specs(sharding.spec, lw.ndim, nb, m)
     except ValueError as err:
         return _engine.materialize_fallback(sharding_constraint_p, [lw], params, str(err))
-    a_dims, b_dims = factor_dims(lw.ndim, nb, nm)
+    a_dims, b_dims = factor_dims(lw.ndim, nb, m)
     unconstrained = frozenset(unconstrained_dims or ())
 
     def constrain(x: Any, spec: Any, dims: dict[int, int]) -> Any:
@@ -105,4 +105,4 @@ def _(lw: LoraWeight, *, sharding: Any, layout: Any, context_mesh: Any,
     w = sharding_constraint_p.bind(lw.w, **params)
     a = constrain(lw.a, a_spec, a_dims)
     b = constrain(lw.b, b_spec, b_dims)
-    return LoraWeight(w, a=a, b=b, alpha=lw.alpha)
+    return LoraWeight(w, a=a, b=b, alpha=lw.alpha, m_axes=lw.m_axes)

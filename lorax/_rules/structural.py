@@ -21,8 +21,14 @@ from .._weight import LoraWeight
 from .dot import scale
 
 
-def _rebuild(lw: LoraWeight, w: Any, a: Any, b: Any) -> LoraWeight:
-    return LoraWeight(w, a=a, b=b, alpha=lw.alpha)
+def _rebuild(lw: LoraWeight, w: Any, a: Any, b: Any, m_axes: Any = None) -> LoraWeight:
+    return LoraWeight(w, a=a, b=b, alpha=lw.alpha, m_axes=m_axes)
+
+
+def _not_contiguous(lw: LoraWeight, prim: Any, params: dict) -> Any:
+    return _engine.materialize_fallback(
+        prim, [lw], params, f"its M axes {lw.axes.m} and N axes {lw.axes.n} are not two "
+        "contiguous groups, which this op needs")
 
 
 # -- transpose -------------------------------------------------------------------
@@ -30,29 +36,23 @@ def _rebuild(lw: LoraWeight, w: Any, a: Any, b: Any) -> LoraWeight:
 
 @_engine.register(lax.transpose_p)
 def _(lw: LoraWeight, *, permutation: Sequence[int]) -> Any:
-    nb, nm, nn = lw.structure
-    perm = tuple(permutation)
-    batch, rest = perm[:nb], perm[nb:]
-    m_axes = tuple(range(nb, nb + nm))
-    n_axes = tuple(range(nb + nm, nb + nm + nn))
-    b_k, a_k = lw.b.ndim - 1, nb
-
-    def a_axis(p: int) -> int:  # W's N axis p sits at this axis of A
-        return p - nm + 1
-
-    if sorted(batch) != list(range(nb)):
+    batch, m, n = lw.axes
+    nb, perm = len(batch), tuple(permutation)
+    if sorted(perm[:nb]) != list(batch):
         return _engine.materialize_fallback(lax.transpose_p, [lw], dict(permutation=perm))
     w = _engine.call(lax.transpose, lw.w, perm)
-    if sorted(rest[:nm]) == list(m_axes) and sorted(rest[nm:]) == list(n_axes):
-        b = lax.transpose(lw.b, (*batch, *rest[:nm], b_k))
-        a = lax.transpose(lw.a, (*batch, a_k, *map(a_axis, rest[nm:])))
-        return _rebuild(lw, w, a, b)
-    if sorted(rest[:nn]) == list(n_axes) and sorted(rest[nn:]) == list(m_axes):
-        # (W + B A)^T = W^T + A^T B^T: the factors swap roles.
-        new_b = lax.transpose(lw.a, (*batch, *map(a_axis, rest[:nn]), a_k))
-        new_a = lax.transpose(lw.b, (*batch, b_k, *rest[nn:]))
+    new_m = [j for j in range(nb, lw.ndim) if perm[j] in m]
+    new_n = [j for j in range(nb, lw.ndim) if perm[j] in n]
+    # Each factor keeps its side; its axes follow `w`'s, in their new order.
+    b = lax.transpose(lw.b, (*perm[:nb], *(nb + m.index(perm[j]) for j in new_m), lw.b.ndim - 1))
+    a = lax.transpose(lw.a, (*perm[:nb], nb, *(nb + 1 + n.index(perm[j]) for j in new_n)))
+    if new_n == list(range(nb, nb + len(new_n))):
+        # (W + B A)^T = W^T + A^T B^T: N now leads, so the factors swap roles and
+        # the layout stays contiguous, which every rule reads.
+        new_b = lax.transpose(a, (*range(nb), *range(nb + 1, a.ndim), nb))
+        new_a = lax.transpose(b, (*range(nb), b.ndim - 1, *range(nb, b.ndim - 1)))
         return _rebuild(lw, w, new_a, new_b)
-    return _engine.materialize_fallback(lax.transpose_p, [lw], dict(permutation=perm))
+    return _rebuild(lw, w, a, b, m_axes=tuple(new_m))
 
 
 # -- dtype -------------------------------------------------------------------------
@@ -69,7 +69,7 @@ def _(lw: LoraWeight, *, new_dtype: Any, **params: Any) -> Any:
     # The factors keep their own (often f32) dtype; rules cast them to `w`'s dtype
     # at the point of use, so gradients reach the factors at full precision.
     w = _engine.call(lax.convert_element_type_p.bind, lw.w, new_dtype=new_dtype, **params)
-    return _rebuild(lw, w, lw.a, lw.b)
+    return _rebuild(lw, w, lw.a, lw.b, lw.m_axes)
 
 
 # -- reshapes that keep batch / M / N axis groups intact ------------------------------
@@ -94,6 +94,8 @@ def _group_bounds(old: Sequence[int], new: Sequence[int], nb: int, nm: int) -> t
 
 
 def _reshape_lora(lw: LoraWeight, new_shape: Sequence[int], prim: Any, params: dict) -> Any:
+    if not lw.contiguous:
+        return _not_contiguous(lw, prim, params)
     nb, nm, _ = lw.structure
     new_shape = tuple(new_shape)
     bounds = _group_bounds(lw.shape, new_shape, nb, nm)
@@ -119,8 +121,14 @@ def _(lw: LoraWeight, *, new_sizes: Sequence[int], dimensions: Any, **params: An
 def _(lw: LoraWeight, *, dimensions: Sequence[int]) -> Any:
     dims = {d % lw.ndim for d in dimensions}
     new_shape = [s for d, s in enumerate(lw.shape) if d not in dims]
-    nb, nm, nn = lw.structure
-    if {*range(nb, nb + nm)} <= dims or {*range(nb + nm, lw.ndim)} <= dims:
+    batch, m, n = lw.axes
+    if not lw.contiguous and dims <= set(batch):  # a layer of a stack: `w[i]`
+        w = _engine.call(lax.squeeze, lw.w, tuple(sorted(dims)))
+        a_dims = tuple(sorted(dims))
+        return _rebuild(lw, w, lax.squeeze(lw.a, a_dims), lax.squeeze(lw.b, a_dims), lw.m_axes)
+    if not lw.contiguous:
+        return _not_contiguous(lw, lax.squeeze_p, dict(dimensions=dimensions))
+    if set(m) <= dims or set(n) <= dims:
         return _squeeze_out_group(lw, dims)
     return _reshape_lora(lw, new_shape, lax.squeeze_p, dict(dimensions=dimensions))
 
@@ -163,9 +171,7 @@ def _(lw: LoraWeight, *, shape: Sequence[int], broadcast_dimensions: Sequence[in
 
 def _split_per_factor(lw: LoraWeight, per_axis: Sequence[Any], k_value: Any) -> tuple[list, list]:
     """Distribute per-W-axis values onto B's and A's axes (`k_value` for the rank axis)."""
-    nb, nm, _ = lw.structure
-    per_axis = list(per_axis)
-    batch, m, n = per_axis[:nb], per_axis[nb : nb + nm], per_axis[nb + nm :]
+    batch, m, n = ([per_axis[i] for i in group] for group in lw.axes)
     return [*batch, *m, k_value], [*batch, k_value, *n]
 
 
@@ -180,7 +186,7 @@ def _(lw: LoraWeight, *, start_indices: Sequence[int], limit_indices: Sequence[i
     w = _engine.call(lax.slice, lw.w, start_indices, limit_indices, strides)
     b = lax.slice(lw.b, b_start, b_limit, b_stride)
     a = lax.slice(lw.a, a_start, a_limit, a_stride)
-    return _rebuild(lw, w, a, b)
+    return _rebuild(lw, w, a, b, lw.m_axes)
 
 
 @_engine.register(lax.dynamic_slice_p)
@@ -191,7 +197,7 @@ def _(lw: LoraWeight, *indices: Any, slice_sizes: Sequence[int]) -> Any:
     w = _engine.call(lax.dynamic_slice, lw.w, indices, slice_sizes)
     b = lax.dynamic_slice(lw.b, b_idx, b_sizes)
     a = lax.dynamic_slice(lw.a, a_idx, a_sizes)
-    return _rebuild(lw, w, a, b)
+    return _rebuild(lw, w, a, b, lw.m_axes)
 
 
 @_engine.register(_prims.copy_p)

@@ -47,11 +47,8 @@ pvary_p = _engine.pvary_p
 def _side_axes(ad: Adapted) -> tuple[int, ...]:
     """`w`'s axes along which `g` varies besides the batch axes (the output features)."""
     lw = ad.lw
-    nb, nm, nn = lw.structure
-    side = magnitude_side(lw.shape, ad.g.shape, lw.structure)
-    if side == "a":
-        return tuple(range(nb + nm, nb + nm + nn))
-    return tuple(range(nb, nb + nm))
+    side = magnitude_side(lw.shape, ad.g.shape, lw.axes)
+    return lw.axes.n if side == "a" else lw.axes.m
 
 
 def _place(g: Array, g_labels: Sequence[int], target: Sequence[int], dtype: Any) -> Array:
@@ -340,12 +337,12 @@ def _(ad: Adapted, *, dimensions: Sequence[int]) -> Any:
 
 
 def _regroup(ad: Adapted, prim: Any, params: dict, new_shape: Sequence[int]) -> Any:
-    side = None if ad.g is None else magnitude_side(ad.lw.shape, ad.g.shape, ad.lw.structure)
+    side = None if ad.g is None else magnitude_side(ad.lw.shape, ad.g.shape, ad.lw.axes)
 
     def g_op(g: Array, out: Any) -> Array:
         if out is None:  # the LoRA rule fell back to the dense weight: so does g
             return _full_g(ad).reshape(new_shape)
-        return g.reshape(magnitude_shape(tuple(out.shape), out.structure, side))
+        return g.reshape(magnitude_shape(tuple(out.shape), out.axes, side))
 
     def key_op(k: Array, out: Any) -> Array:
         batch = tuple(out.shape[: out.structure[0]])

@@ -54,7 +54,7 @@ class Adapted(_engine.ArrayValue):
 
 
 def frozen_lora(lw: LoraWeight) -> LoraWeight:
-    return LoraWeight(lax.stop_gradient(lw.w), lw.a, lw.b, lw.alpha)
+    return LoraWeight(lax.stop_gradient(lw.w), lw.a, lw.b, lw.alpha, m_axes=lw.m_axes)
 
 
 def magnitude_scale(dw: DoraWeight) -> Array:

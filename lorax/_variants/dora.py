@@ -20,30 +20,27 @@ from jax import Array, lax
 from jax.typing import ArrayLike
 
 from .. import _engine
-from .._weight import LoraWeight, _dense, _shape, factor_structure
+from .._weight import FactorAxes, LoraWeight, _dense, _shape
 
 Side = Literal["a", "b"]
 
 
-def magnitude_shape(w_shape: tuple[int, ...], structure: tuple[int, int, int],
+def magnitude_shape(w_shape: tuple[int, ...], axes: FactorAxes,
                     side: Side) -> tuple[int, ...]:
     """`m`'s shape: `w`'s, with the input axes (the ones the norm sums over) set to 1.
 
     `side` is the factor on the *output* side: `"a"` keeps `w`'s `N` axes, `"b"` its
     `M` axes; batch axes are always kept.
     """
-    nb, nm, _ = structure
-    batch, m, n = w_shape[:nb], w_shape[nb : nb + nm], w_shape[nb + nm :]
-    if side == "a":
-        return (*batch, *(1,) * len(m), *n)
-    return (*batch, *m, *(1,) * len(n))
+    summed = axes.m if side == "a" else axes.n
+    return tuple(1 if i in summed else d for i, d in enumerate(w_shape))
 
 
 def magnitude_side(w_shape: tuple[int, ...], m_shape: tuple[int, ...],
-                   structure: tuple[int, int, int]) -> Side | None:
+                   axes: FactorAxes) -> Side | None:
     """Which factor is on the output side, read from `m`'s shape (`None`: fits neither)."""
     for side in ("a", "b"):
-        if tuple(m_shape) == magnitude_shape(tuple(w_shape), structure, side):
+        if tuple(m_shape) == magnitude_shape(tuple(w_shape), axes, side):
             return side  # type: ignore[return-value]
     return None
 
@@ -88,14 +85,14 @@ class DoraWeight(LoraWeight):
     trainable_fields = ("a", "b", "m")
 
     def __init__(self, w: ArrayLike, a: ArrayLike, b: ArrayLike, m: ArrayLike,
-                 alpha: float = 1.0):
-        super().__init__(w, a, b, alpha)
-        structure = factor_structure(_shape(self.w), _shape(self.a), _shape(self.b))
-        if magnitude_side(_shape(self.w), _shape(m), structure) is None:
+                 alpha: float = 1.0, *, m_axes: tuple[int, ...] | None = None):
+        super().__init__(w, a, b, alpha, m_axes=m_axes)
+        axes = self.axes
+        if magnitude_side(_shape(self.w), _shape(m), axes) is None:
             raise ValueError(
                 "DoraWeight.m must have w's shape with the input axes set to 1: "
-                f"{magnitude_shape(_shape(self.w), structure, 'a')} (output on a's side) or "
-                f"{magnitude_shape(_shape(self.w), structure, 'b')} (output on b's side); "
+                f"{magnitude_shape(_shape(self.w), axes, 'a')} (output on a's side) or "
+                f"{magnitude_shape(_shape(self.w), axes, 'b')} (output on b's side); "
                 f"got {_shape(m)} for w of shape {_shape(self.w)}."
             )
         self.m = m
@@ -117,14 +114,13 @@ class DoraWeight(LoraWeight):
         if input_factor not in ("a", "b"):
             raise ValueError(f"input_factor must be 'a' or 'b', got {input_factor!r}.")
         out_side: Side = "a" if input_factor == "b" else "b"
-        norm = _norm_jit(lw.w, lw.a, lw.b, scale=lw.scale, side=out_side,
-                         structure=lw.structure)
-        return cls(lw.w, lw.a, lw.b, norm.astype(lw.a.dtype), lw.alpha)
+        norm = _norm_jit(lw.w, lw.a, lw.b, scale=lw.scale, side=out_side, axes=lw.axes)
+        return cls(lw.w, lw.a, lw.b, norm.astype(lw.a.dtype), lw.alpha, m_axes=lw.m_axes)
 
     @property
     def output_factor(self) -> Side:
         """`"a"` or `"b"`: the factor on the output side (the side `m` runs along)."""
-        side = magnitude_side(self.w.shape, self.m.shape, self.structure)
+        side = magnitude_side(self.w.shape, self.m.shape, self.axes)
         assert side is not None
         return side
 
@@ -134,7 +130,7 @@ class DoraWeight(LoraWeight):
 
     def as_lora(self) -> LoraWeight:
         """The underlying `LoraWeight` (no magnitude)."""
-        return LoraWeight(self.w, self.a, self.b, self.alpha)
+        return LoraWeight(self.w, self.a, self.b, self.alpha, m_axes=self.m_axes)
 
     def materialize(self) -> Array:
         """`m * V / ||V||` as a plain array (the merged weight), `||V||` held constant
@@ -145,7 +141,7 @@ class DoraWeight(LoraWeight):
         An array with `w`'s shape and dtype.
         """
         v = super().materialize()
-        norm = lax.stop_gradient(_direct_norm(v, self.structure, self.output_factor))
+        norm = lax.stop_gradient(_direct_norm(v, self.axes, self.output_factor))
         return (v * (self.m / norm).astype(v.dtype)).astype(self.w.dtype)
 
     materialized_as = "materialized as m * V / ||V||, V = w + (alpha/k) * b @ a"
@@ -153,7 +149,7 @@ class DoraWeight(LoraWeight):
     def materialise(self) -> Array:
         w = lax.stop_gradient(self.w)
         v = _dense(w) + self.delta()
-        norm = lax.stop_gradient(_direct_norm(v, self.structure, self.output_factor))
+        norm = lax.stop_gradient(_direct_norm(v, self.axes, self.output_factor))
         return v * (self.m / norm).astype(v.dtype)
 
     def __repr__(self) -> str:
@@ -161,10 +157,9 @@ class DoraWeight(LoraWeight):
             f", m={self.m.dtype.name}{list(self.m.shape)})")
 
 
-def _direct_norm(v: Array, structure: tuple[int, int, int], side: Side) -> Array:
+def _direct_norm(v: Array, axes: FactorAxes, side: Side) -> Array:
     """The reference: `||V||` over the input axes of a materialised `V` (keepdims)."""
-    nb, nm, nn = structure
-    axes = tuple(range(nb, nb + nm)) if side == "a" else tuple(range(nb + nm, nb + nm + nn))
+    axes = axes.m if side == "a" else axes.n
     v32 = v.astype(jnp.float32)
     return jnp.sqrt(jnp.sum(v32 * v32, axis=axes, keepdims=True))
 
@@ -176,24 +171,23 @@ def weight_norm(lw: LoraWeight, side: Side) -> Array:
     `w` is dequantized one batch slice at a time.
     """
     return _norm_jit(lax.stop_gradient(lw.w), lax.stop_gradient(lw.a),
-                     lax.stop_gradient(lw.b), scale=lw.scale, side=side, structure=lw.structure)
+                     lax.stop_gradient(lw.b), scale=lw.scale, side=side, axes=lw.axes)
 
 
 def _norm_impl(w: Any, a: Array, b: Array, *, scale: float, side: Side,
-               structure: tuple[int, int, int]) -> Array:
-    nb, nm, nn = structure
+               axes: FactorAxes) -> Array:
+    nb, nm, nn = len(axes.batch), len(axes.m), len(axes.n)
     if nb and _engine.is_value(w):
         # A stacked quantized weight: one layer at a time, or the contraction below would
         # dequantize the whole stack at once.
-        inner = (nb - 1, nm, nn)
-        return lax.map(lambda wab: _norm_impl(*wab, scale=scale, side=side, structure=inner),
+        inner = FactorAxes(tuple(range(nb - 1)), *(tuple(i - 1 for i in g) for g in axes[1:]))
+        return lax.map(lambda wab: _norm_impl(*wab, scale=scale, side=side, axes=inner),
                        (w, a, b))
     f32 = jnp.float32
     batch = tuple(range(nb))
     a = a.astype(f32)
     b = b.astype(f32)
-    m_axes = tuple(range(nb, nb + nm))
-    n_axes = tuple(range(nb + nm, nb + nm + nn))
+    m_axes, n_axes = axes.m, axes.n
     if side == "a":
         # Output features on a's (N) side; sum over M.
         sq = _sum_squares(w, m_axes)  # (*B, *N)
@@ -216,7 +210,7 @@ def _norm_impl(w: Any, a: Array, b: Array, *, scale: float, side: Side,
         ga = lax.dot_general(gram, a, (((nb + 1,), (nb,)), (batch, batch)))  # (*B, k, *N)
         quad = jnp.sum(a * ga, axis=nb)
         n2 = sq + 2.0 * scale * cross + scale * scale * quad
-        n2 = n2.reshape(magnitude_shape(w.shape, structure, "a"))
+        n2 = n2.reshape(magnitude_shape(w.shape, axes, "a"))
     else:
         sq = _sum_squares(w, n_axes)  # (*B, *M)
         a_n = tuple(range(nb + 1, nb + 1 + nn))
@@ -227,7 +221,7 @@ def _norm_impl(w: Any, a: Array, b: Array, *, scale: float, side: Side,
         bg = lax.dot_general(b, gram, (((b.ndim - 1,), (nb,)), (batch, batch)))  # (*B,*M,k)
         quad = jnp.sum(b * bg, axis=-1)
         n2 = sq + 2.0 * scale * cross + scale * scale * quad
-        n2 = n2.reshape(magnitude_shape(w.shape, structure, "b"))
+        n2 = n2.reshape(magnitude_shape(w.shape, axes, "b"))
     # Rounding can take an exactly-cancelled column a hair below zero.
     return jnp.sqrt(jnp.maximum(n2, 0.0))
 
@@ -241,5 +235,5 @@ def _sum_squares(w: Any, axes: tuple[int, ...]) -> Array:
 
 _RANK_MAJOR_MIN_RANK = 32
 
-_norm_jit = _engine.rule_jit(_norm_impl, static_argnames=("scale", "side", "structure"))
+_norm_jit = _engine.rule_jit(_norm_impl, static_argnames=("scale", "side", "axes"))
 

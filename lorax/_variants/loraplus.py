@@ -10,7 +10,7 @@ import optax
 
 from .. import _engine
 from .._spec import as_lora_spec
-from .._weight import LoraWeight, unchecked_replace
+from .._weight import LoraWeight, factor_axes, unchecked_replace
 from .dora import DoraWeight
 
 
@@ -21,8 +21,9 @@ def _output_factor(node: LoraWeight, spec_val: Any) -> str:
         a, b = node.a, node.b
         nb = a.ndim + b.ndim - m.ndim - 2
         nm = b.ndim - nb - 1
-        if tuple(m.shape[nb + nm:]) == tuple(a.shape[nb + 1:]) and all(
-                s == 1 for s in m.shape[nb: nb + nm]):
+        _, m_axes, n_axes = factor_axes(tuple(m.shape), (nb, nm, m.ndim - nb - nm), node.m_axes)
+        if tuple(m.shape[i] for i in n_axes) == tuple(a.shape[nb + 1:]) and all(
+                m.shape[i] == 1 for i in m_axes):
             return "a"
         return "b"
     ls = as_lora_spec(spec_val) if spec_val is not None else None

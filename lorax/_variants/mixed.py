@@ -47,4 +47,4 @@ def gated_lora(lw: LoraWeight, gate: Array) -> LoraWeight:
     """The plain `LoraWeight` with `b`'s rank axis scaled by `gate` (dense fallbacks)."""
     nm = lw.structure[1]
     g = gate.reshape(*gate.shape[:-1], *(1,) * nm, gate.shape[-1]).astype(lw.b.dtype)
-    return LoraWeight(lw.w, lw.a, lw.b * g, lw.alpha)
+    return LoraWeight(lw.w, lw.a, lw.b * g, lw.alpha, m_axes=lw.m_axes)

@@ -69,7 +69,7 @@ def test_norm_identity_matches_the_materialised_norm(params):
     lw = _make(nb, nm, nn, shape, k, alpha, seed)
     assume(_well_conditioned(lw, side))
     got = weight_norm(lw, side)
-    assert got.shape == magnitude_shape(shape, lw.structure, side)
+    assert got.shape == magnitude_shape(shape, lw.axes, side)
     assert_close(got, _direct(lw, side), rtol=1e-5, atol=1e-5)
 
 
@@ -81,7 +81,7 @@ def test_dora_layer_matches_the_materialised_formula(params):
     lw = _make(nb, nm, nn, shape, k, alpha, seed)
     assume(_well_conditioned(lw, side))
     r = np.random.default_rng(seed + 1)
-    m = jnp.asarray(np.abs(r.standard_normal(magnitude_shape(shape, lw.structure, side))) + 0.5,
+    m = jnp.asarray(np.abs(r.standard_normal(magnitude_shape(shape, lw.axes, side))) + 0.5,
                     jnp.float32)
     # Contract the input side's axes with x; keep batch axes as dot batch dims.
     in_axes = tuple(range(nb, nb + nm)) if side == "a" else tuple(range(nb + nm, len(shape)))
