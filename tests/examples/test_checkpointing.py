@@ -1,0 +1,104 @@
+"""Kill and resume: examples/checkpointing.py (the orbax recipe the Shakespeare job uses)
+ends with the same adapter, byte for byte, whether it ran straight through, was killed
+between checkpoints, or was killed in the middle of writing one.
+
+Each run is a real process killed with SIGKILL. The kills are placed by a wrapper that
+patches orbax in the child only: after step K (`between`), or inside the save of step K
+after its files are written but before orbax commits it (`during`: its `_finalize`,
+which renames the temporary directory, kills the process instead).
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+
+import jax
+import pytest
+
+ocp = pytest.importorskip("orbax.checkpoint")
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+EXAMPLE = ROOT / "examples" / "checkpointing.py"
+ARGS = ["--steps", "12", "--every", "5", "--keep", "2", "--dim", "64"]
+
+KILLER = r"""
+import os, runpy, signal, sys
+import orbax.checkpoint as ocp
+mode, at = sys.argv[1], int(sys.argv[2])
+sys.argv = [sys.argv[3]] + sys.argv[4:]
+save, finalize = ocp.CheckpointManager.save, ocp.CheckpointManager._finalize
+
+def patched_save(self, step, *args, **kwargs):
+    out = save(self, step, *args, **kwargs)
+    if mode == "between" and step == at:
+        self.wait_until_finished()
+        os.kill(os.getpid(), signal.SIGKILL)
+    return out
+
+def patched_finalize(self, step, *args, **kwargs):
+    if mode == "during" and step == at:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return finalize(self, step, *args, **kwargs)
+
+ocp.CheckpointManager.save, ocp.CheckpointManager._finalize = patched_save, patched_finalize
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def _run(directory, kill=None):
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
+    env.pop("XLA_FLAGS", None)  # one device, as a user's run
+    cmd = [sys.executable, str(EXAMPLE), "--dir", str(directory), *ARGS]
+    if kill is not None:
+        cmd = [sys.executable, "-c", KILLER, kill[0], str(kill[1]), *cmd[1:]]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    d = tmp_path_factory.mktemp("straight")
+    run = _run(d)
+    assert run.returncode == 0, run.stderr
+    return d, (d / "adapter.safetensors").read_bytes()
+
+
+@pytest.mark.parametrize("mode, at, resumes_at", [
+    ("between", 7, 5),    # killed after step 7: steps 6 and 7 are redone from checkpoint 5
+    ("during", 10, 5),    # killed while writing checkpoint 10: 5 is still the newest
+])
+def test_killed_run_resumes_to_the_same_adapter(straight, tmp_path, mode, at, resumes_at):
+    killed = _run(tmp_path, kill=(mode, at))
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    assert not (tmp_path / "adapter.safetensors").exists()
+    if mode == "during":  # orbax left its uncommitted temporary directory behind
+        assert not (tmp_path / str(at)).exists()
+        assert any(str(at) in p.name for p in tmp_path.iterdir()), list(tmp_path.iterdir())
+    resumed = _run(tmp_path)
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"starting at step {resumes_at} (resumed)" in resumed.stdout, resumed.stdout
+    assert (tmp_path / "adapter.safetensors").read_bytes() == straight[1]
+
+
+def test_a_resumed_run_that_is_killed_again_still_ends_the_same(straight, tmp_path):
+    assert _run(tmp_path, kill=("between", 6)).returncode == -signal.SIGKILL
+    assert _run(tmp_path, kill=("during", 10)).returncode == -signal.SIGKILL
+    resumed = _run(tmp_path)
+    assert "starting at step 5 (resumed)" in resumed.stdout, resumed.stdout
+    assert (tmp_path / "adapter.safetensors").read_bytes() == straight[1]
+
+
+def test_checkpoints_hold_the_trainable_state_only(straight):
+    directory, _ = straight
+    assert ocp.CheckpointManager(directory).all_steps() == [10, 12]  # --keep 2
+    meta = ocp.StandardCheckpointer().metadata(directory / "12" / "default").item_metadata
+    assert set(meta) == {"trainable", "opt_state", "step", "rng", "position"}
+    shapes = [tuple(leaf.shape) for leaf in jax.tree.leaves(meta) if hasattr(leaf, "shape")]
+    dim = int(ARGS[ARGS.index("--dim") + 1])
+    assert (dim, dim) not in shapes  # no frozen weight was written
+    rank = 4
+    # Factors and Adam's moments, the RNG key's data, scalars: nothing else.
+    assert set(shapes) == {(dim, rank), (rank, dim), (2,), ()}
