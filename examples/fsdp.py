@@ -2,6 +2,12 @@
 
     python examples/fsdp.py [--devices 8] [--layers 2] [--dim 128] [--rank 8] [--steps 20]
 
+On several processes (hosts), each starts the same command with its own id; the mesh
+spans every process's devices and each process feeds its own slice of the batch:
+
+    python examples/fsdp.py --processes 2 --process-id 0 --coordinator 127.0.0.1:PORT &
+    python examples/fsdp.py --processes 2 --process-id 1 --coordinator 127.0.0.1:PORT
+
 Every weight matrix is sharded along its first axis over all devices (FSDP), the
 batch along the same mesh axis. `lorax.init_lora` derives the factors' shardings
 from the weights' (`b` sharded like `W`'s rows, `a` replicated, both tiny), the
@@ -18,15 +24,20 @@ import sys
 _FLAG = "--xla_force_host_platform_device_count"
 
 
+def _flag(argv: list[str], name: str, default: int) -> int:
+    for i, arg in enumerate(argv):
+        if arg == name and i + 1 < len(argv):
+            return int(argv[i + 1])
+        if arg.startswith(name + "="):
+            return int(arg.split("=", 1)[1])
+    return default
+
+
 def _simulate_devices(argv: list[str]) -> None:
     # XLA reads the device count once, when JAX initialises its backend: set it
-    # before jax is imported (and keep a count someone already chose).
-    n = 8
-    for i, arg in enumerate(argv):
-        if arg == "--devices" and i + 1 < len(argv):
-            n = int(argv[i + 1])
-        elif arg.startswith("--devices="):
-            n = int(arg.split("=", 1)[1])
+    # before jax is imported (and keep a count someone already chose). Each process
+    # has its share of the mesh's devices.
+    n = _flag(argv, "--devices", 8) // _flag(argv, "--processes", 1)
     if _FLAG not in os.environ.get("XLA_FLAGS", ""):
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_FLAG}={n}".strip()
 
@@ -87,7 +98,16 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--seq", type=int, default=32)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--lr", type=float, default=1e-2)
+    parser.add_argument("--qtype", default=None,
+                        help="quantize the frozen base (QLoRA), e.g. int8 or nf4")
+    parser.add_argument("--out", default=None,
+                        help="write the adapter here (adapter.safetensors and peft/)")
+    parser.add_argument("--processes", type=int, default=1)
+    parser.add_argument("--process-id", type=int, default=0)
+    parser.add_argument("--coordinator", default=None, help="host:port of process 0")
     args = parser.parse_args(argv)
+    if args.coordinator:
+        start_processes(args)
     if jax.device_count() < args.devices:
         raise SystemExit(f"need {args.devices} devices, JAX sees {jax.device_count()}; set "
                          f"XLA_FLAGS={_FLAG}={args.devices} before JAX starts")
@@ -105,7 +125,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     shapes = dict(q=(d, d), k=(d, d), v=(d, d), o=(d, d), up=(d, f), down=(f, d))
     host = [{n: weight(s) for n, s in shapes.items()} for _ in range(args.layers)]
-    params = jax.device_put(host, rows)
+    params = jax.tree.map(lambda w: place(w, rows), host)
 
     # A task the base model does not solve: match a teacher whose weights differ
     # by a low-rank change, on random inputs.
@@ -113,9 +133,11 @@ def main(argv: list[str] | None = None) -> dict:
                 for n, w in p.items()} for p in host]
     x = rng.standard_normal((args.batch, args.seq, d)).astype(np.float32)
     y = np.asarray(jax.jit(model)(teacher, x))
-    x, y = jax.device_put(x, batch), jax.device_put(y, batch)
+    x, y = (local_batch(v, batch, args) for v in (x, y))
 
     spec = lorax.simple_spec(params, decision_fn=lambda path, w: args.rank)
+    if args.qtype:  # QLoRA: the frozen base in quantized blocks, sharded like W
+        params = lorax.quantize(params, spec, args.qtype, min_size=0)
     lora_params = lorax.init_lora(params, spec, jax.random.PRNGKey(1))
     trainable, frozen = lorax.partition(lora_params, spec)
     optimizer = optax.adam(args.lr)
@@ -140,7 +162,7 @@ def main(argv: list[str] | None = None) -> dict:
         donate_argnums=(0, 2),
     ).lower(trainable, frozen, opt_state, x, y).compile()
 
-    ws = [lw.w for layer in lora_params for lw in layer.values()]
+    ws = [lw.w.codes if args.qtype else lw.w for layer in lora_params for lw in layer.values()]
     factors = [m for layer in lora_params for lw in layer.values() for m in (lw.a, lw.b)]
     w_dev, w_all = nbytes_per_device(ws), sum(w.nbytes for w in ws)
     f_dev, f_all = nbytes_per_device(factors), sum(m.nbytes for m in factors)
@@ -160,8 +182,37 @@ def main(argv: list[str] | None = None) -> dict:
         losses.append(float(loss))
         print(f"step {i:3d} loss {losses[-1]:.6f}")
     print(f"loss {losses[0]:.6f} -> {losses[-1]:.6f}")
+    if args.out:  # every process calls these (shards are gathered); process 0 writes
+        tuned = lorax.combine(trainable, frozen)
+        os.makedirs(args.out, exist_ok=True)
+        lorax.save_adapter(os.path.join(args.out, "adapter.safetensors"), tuned, spec)
+        lorax.save_peft(os.path.join(args.out, "peft"), tuned, layout="in_out",
+                        module_name=lambda path, layer: path.replace("/", "."),
+                        base_model_name_or_path="lorax-examples/fsdp")
+        print(f"adapter written to {args.out} by process {jax.process_index()}")
     return dict(losses=losses, w_bytes_per_device=w_dev, w_bytes=w_all,
                 factor_bytes_per_device=f_dev, factor_bytes=f_all)
+
+
+def start_processes(args: argparse.Namespace) -> None:
+    """Join the other processes: CPU collectives through gloo, one global mesh."""
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(coordinator_address=args.coordinator,
+                               num_processes=args.processes, process_id=args.process_id)
+
+
+def place(host: np.ndarray, sharding: NamedSharding) -> jax.Array:
+    """A host array that every process holds whole, as a global array: each process
+    puts only its own devices' shards."""
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+
+def local_batch(host: np.ndarray, sharding: NamedSharding, args: argparse.Namespace) -> jax.Array:
+    """The global batch, each process feeding its own slice of the rows (here cut from
+    one host batch, as each process would read its own shard of the data)."""
+    rows = host.shape[0] // args.processes
+    mine = host[args.process_id * rows:(args.process_id + 1) * rows]
+    return jax.make_array_from_process_local_data(sharding, mine)
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ if __package__ in (None, ""):  # run as a script: make `examples.shakespeare` im
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
 
 import lorax
+from examples import checkpointing
 from examples.shakespeare import data, gguf_loader, llama, serve
 
 TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
@@ -84,6 +85,13 @@ def parse_args(argv):
                    help="LoRA dropout on the low-rank branch's input (training steps only)")
     p.add_argument("--loraplus", type=float, default=None, metavar="RATIO",
                    help="LoRA+: the output-side factor's learning rate is RATIO x --lr")
+    p.add_argument("--checkpoint-dir", default=None,
+                   help="save the training state here (orbax): factors, optimizer state, "
+                        "step, losses; never the base")
+    p.add_argument("--checkpoint-every", type=int, default=10, metavar="N",
+                   help="with --checkpoint-dir: save every N steps (and after the last)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the newest complete checkpoint in --checkpoint-dir")
     p.add_argument("--quick", action="store_true",
                    help="smoke-test settings: 2 steps, seq 32, 2 eval windows, 5-token sample, "
                         "1 paired full fine-tuning step")
@@ -95,6 +103,10 @@ def parse_args(argv):
     unknown = set(args.targets) - set(TARGETS)
     if unknown or not args.targets:
         p.error(f"--targets: choose from {','.join(TARGETS)} (got unknown {sorted(unknown)})")
+    if args.resume and not args.checkpoint_dir:
+        p.error("--resume needs --checkpoint-dir")
+    if args.checkpoint_every < 1:
+        p.error("--checkpoint-every must be >= 1")
     if args.temperature < 0 or not 0 < args.top_p <= 1:
         p.error("--temperature must be >= 0 and --top-p in (0, 1]")
     if not 0 <= args.dropout < 1:
@@ -233,11 +245,14 @@ def shapes(tree):
                         is_leaf=lambda x: isinstance(x, lorax.QuantizedArray))
 
 
-def run_dense_comparison(argv, out_dir):
-    """The same job on the dense base, in its own process (so its peak RSS is its own)."""
+def run_dense_comparison(argv, out_dir, checkpoint_dir=None):
+    """The same job on the dense base, in its own process (so its peak RSS is its own),
+    with checkpoints of its own."""
     dense_out = out_dir / "dense-base"
     cmd = [sys.executable, str(pathlib.Path(__file__).resolve()), *argv, "--dense-base",
            "--no-compare-dense", "--no-llamacpp", "--out", str(dense_out)]
+    if checkpoint_dir:
+        cmd += ["--checkpoint-dir", str(pathlib.Path(checkpoint_dir) / "dense-base")]
     print("\n--- the same job on the dense float32 base (a second process) ---", flush=True)
     subprocess.run(cmd, check=True)
     return json.loads((dense_out / "results.json").read_text())
@@ -415,15 +430,8 @@ def main(argv=None):
     print(f"sample before:\n{PROMPT}{sample_before}\n")
     phase("sample")
 
-    losses, step_times = [], []
-    bar = progress(range(args.steps), args.steps)
-    for i in bar:
-        t = time.perf_counter()
-        trainable, opt_state, loss = lora_step(trainable, frozen, opt_state, next(batches), i)
-        losses.append(float(loss))
-        step_times.append(time.perf_counter() - t)
-        bar.set_postfix_str(f"loss {losses[-1]:.3f}")
-    bar.close()
+    trainable, opt_state, losses, step_times = train(
+        args, lora_step, trainable, frozen, opt_state, batches)
     phase("train")
 
     ppl_after = float(heldout_ppl((trainable, frozen), eval_windows))
@@ -508,10 +516,59 @@ def main(argv=None):
     }
     (out_dir / "results.json").write_text(json.dumps(result, indent=1))
     if quantized and args.compare_dense:
-        dense = run_dense_comparison(argv if argv is not None else sys.argv[1:], out_dir)
+        dense = run_dense_comparison(argv if argv is not None else sys.argv[1:], out_dir,
+                                     args.checkpoint_dir)
         result["dense"] = dense
         print_comparison(result, dense)
     return result
+
+
+def train(args, lora_step, trainable, frozen, opt_state, batches):
+    """The training loop, checkpointed with --checkpoint-dir (examples/checkpointing.py's
+    recipe): a killed run given --resume ends with the same adapter, byte for byte."""
+    state = {"trainable": trainable, "opt_state": opt_state, "step": jnp.int32(0),
+             "losses": jnp.zeros(args.steps, jnp.float32)}
+    manager = None
+    if args.checkpoint_dir:
+        manager = checkpointing.open_manager(args.checkpoint_dir, args.checkpoint_every, keep=2)
+        if manager.latest_step() is not None and not args.resume:
+            raise SystemExit(f"{args.checkpoint_dir} already has checkpoints (step "
+                             f"{manager.latest_step()}): pass --resume to continue from "
+                             "them, or another --checkpoint-dir.")
+        state = checkpointing.restore(manager, state)
+    start = int(state["step"])
+    losses = [float(v) for v in np.asarray(state["losses"])[:start]]
+    for _ in range(start):  # the data position: the batches the checkpoint had used
+        next(batches)
+    if start:
+        print(f"resumed from step {start} ({args.checkpoint_dir})")
+    trainable, opt_state = state["trainable"], state["opt_state"]
+    step_times, save_times = [], []
+    bar = progress(range(start, args.steps), args.steps - start)
+    for i in bar:
+        t = time.perf_counter()
+        trainable, opt_state, loss = lora_step(trainable, frozen, opt_state, next(batches), i)
+        losses.append(float(loss))
+        step_times.append(time.perf_counter() - t)
+        bar.set_postfix_str(f"loss {losses[-1]:.3f}")
+        if manager is not None:
+            t = time.perf_counter()
+            state = {"trainable": trainable, "opt_state": opt_state, "step": jnp.int32(i + 1),
+                     "losses": state["losses"].at[i].set(loss)}
+            if checkpointing.save(manager, i + 1, state, force=i + 1 == args.steps):
+                save_times.append(time.perf_counter() - t)
+    bar.close()
+    if manager is not None:
+        t = time.perf_counter()
+        manager.wait_until_finished()
+        manager.close()
+        if save_times:
+            save_times[-1] += time.perf_counter() - t
+            per_step = sum(save_times) / max(1, len(step_times))
+            print(f"checkpoints: {len(save_times)} saved to {args.checkpoint_dir}, "
+                  f"{1000 * np.mean(save_times):.0f} ms each; {per_step / np.median(step_times):.1%} "
+                  f"of a step on average at every {args.checkpoint_every} steps")
+    return trainable, opt_state, losses, step_times
 
 
 def print_comparison(q, d):

