@@ -2,7 +2,8 @@
 
 The file is plain safetensors (8-byte little-endian header length, a JSON header,
 raw little-endian tensor bytes), written here directly so the round trip is
-bit-exact for every dtype JAX has, bf16 included, without another dependency.
+bit-exact for every dtype JAX has, bf16 included. Reading goes through the
+`safetensors` package and `_files`' checks: the file may come from anyone.
 """
 
 from __future__ import annotations
@@ -13,10 +14,10 @@ import struct
 from typing import Any
 
 import jax
-import ml_dtypes
 import numpy as np
 
 from . import _engine
+from ._files import field, parse_json, read_safetensors
 from ._spec import LORA_FREEZE, LORA_FULL, LoraSpec, check_spec_structure
 from ._sharding import factor_shardings, place_host_array
 from ._variants.dora import DoraWeight
@@ -28,7 +29,6 @@ _DTYPES = {
     "int64": "I64", "int32": "I32", "int16": "I16", "int8": "I8",
     "uint64": "U64", "uint32": "U32", "uint16": "U16", "uint8": "U8", "bool": "BOOL",
 }
-_NP_DTYPES = {v: k for k, v in _DTYPES.items()}
 
 
 def _is_lora(x: Any) -> bool:
@@ -56,18 +56,42 @@ def _write_safetensors(path: str | os.PathLike, tensors: dict[str, np.ndarray],
             f.write(blob)
 
 
-def _read_safetensors(path: str | os.PathLike) -> tuple[dict[str, np.ndarray], dict[str, str]]:
-    with open(path, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(n))
-        data = f.read()
-    metadata = header.pop("__metadata__", {})
-    tensors = {}
-    for name, info in header.items():
-        dtype = np.dtype(ml_dtypes.bfloat16 if info["dtype"] == "BF16" else _NP_DTYPES[info["dtype"]])
-        start, end = info["data_offsets"]
-        tensors[name] = np.frombuffer(data[start:end], dtype.newbyteorder("<")).reshape(info["shape"])
-    return tensors, metadata
+def _read_safetensors(path: str | os.PathLike,
+                      who: str = "load_adapter") -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    return read_safetensors(path, who)
+
+
+def _entries(meta: dict[str, str], tensors: dict[str, np.ndarray], path: str) -> list[dict]:
+    """The adapter's entries, each field checked, each tensor it names present."""
+    who = "load_adapter"
+    if meta.get("format") != _FORMAT:
+        raise ValueError(f"{who}: {path!r} is not a lorax adapter file.")
+    entries = parse_json(meta.get("entries"), who, f"{path!r}'s 'entries' metadata")
+    if not isinstance(entries, list):
+        raise ValueError(f"{who}: {path!r}'s 'entries' metadata must be a list.")
+    seen: set[str] = set()
+    for i, e in enumerate(entries):
+        where = f"{path!r}, entry {i}"
+        key = field(e, "path", "str", who, where)
+        kind = field(e, "kind", "str", who, where)
+        if kind not in ("lora", "dora", "full") or key in seen:
+            raise ValueError(f"{who}: {where} ({key!r}): kind {kind!r} is not one of "
+                             "'lora', 'dora', 'full', or the path comes twice.")
+        seen.add(key)
+        if kind != "full":
+            for name, what in (("rank", "pos_int"), ("alpha", "number"), ("batch_ndim", "int"),
+                               ("m_ndim", "pos_int"), ("w_shape", "ints")):
+                field(e, name, what, who, f"{where} ({key!r})")
+            field(e, "m_axes", "ints", who, f"{where} ({key!r})", default=None)
+        suffixes = {"full": [""], "lora": [".a", ".b"], "dora": [".a", ".b", ".m"]}[kind]
+        for name in (key + s for s in suffixes):
+            if name not in tensors:
+                raise ValueError(f"{who}: {path!r} has no tensor {name!r} for {key}.")
+            if kind != "full" and not np.issubdtype(np.dtype(tensors[name].dtype), np.floating) \
+                    and tensors[name].dtype.name != "bfloat16":
+                raise ValueError(f"{who}: tensor {name!r} in {path!r} has dtype "
+                                 f"{tensors[name].dtype}; LoRA factors are floating point.")
+    return entries
 
 
 def _to_host(x: Any) -> np.ndarray:
@@ -188,9 +212,15 @@ def load_adapter(path: str | os.PathLike, base_params: Any) -> tuple[Any, Any]:
         See [`lorax.save_adapter`][].
     """
     tensors, meta = _read_safetensors(path)
-    if meta.get("format") != _FORMAT:
-        raise ValueError(f"load_adapter: {os.fspath(path)!r} is not a lorax adapter file.")
-    entries = json.loads(meta["entries"])
+    entries = _entries(meta, tensors, os.fspath(path))
+    try:
+        return _apply(entries, tensors, base_params)
+    except ValueError as err:  # a mismatch the file brought: say which file
+        raise ValueError(f"{err} (adapter file {os.fspath(path)!r})") from None
+
+
+def _apply(entries: list[dict], tensors: dict[str, np.ndarray], base_params: Any) -> tuple[Any, Any]:
+    """The checked entries put onto `base_params`: `(lora_params, spec)`."""
     flat, treedef = jax.tree_util.tree_flatten_with_path(base_params, is_leaf=_engine.is_value)
     index = {jax.tree_util.keystr(p): i for i, (p, _) in enumerate(flat)}
     leaves = [leaf for _, leaf in flat]

@@ -28,6 +28,7 @@ import numpy as np
 
 from .. import _engine
 from .._adapter import _array_sharding, _read_safetensors, _write_safetensors
+from .._files import field, read_json
 from .._sharding import factor_shardings, place_host_array
 from .._spec import LORA_FREEZE, LoraSpec
 from .._variants.dora import DoraWeight
@@ -217,11 +218,11 @@ def save_peft(
 def _read_config(directory: str) -> dict[str, Any]:
     path = os.path.join(directory, CONFIG_NAME)
     try:
-        with open(path) as f:
-            config = json.load(f)
+        config = read_json(path, "load_peft")
     except FileNotFoundError:
         raise ValueError(f"load_peft: {path!r} does not exist; expected a PEFT adapter "
                          f"directory ({CONFIG_NAME} + {WEIGHTS_NAME}).") from None
+    _check_config(config, path)
     peft_type = str(config.get("peft_type", "")).upper()
     if peft_type != "LORA":
         raise ValueError(f"load_peft: {path!r} has peft_type {config.get('peft_type')!r}; "
@@ -239,8 +240,20 @@ def _read_config(directory: str) -> dict[str, Any]:
     return config
 
 
+def _check_config(config: Any, path: str) -> None:
+    """The types of every field lorax reads (a downloaded config may say anything)."""
+    who = "load_peft"
+    for key, kind in (("r", "pos_int"), ("lora_alpha", "number"), ("use_rslora", "bool"),
+                      ("use_dora", "bool"), ("rank_pattern", "dict"), ("alpha_pattern", "dict"),
+                      ("peft_type", "str")):
+        field(config, key, kind, who, repr(path), default=None)
+    for key, kind in (("rank_pattern", "pos_int"), ("alpha_pattern", "number")):
+        for name, value in (config.get(key) or {}).items():
+            field({name: value}, name, kind, who, f"{path!r}'s {key}")
+
+
 def _read_modules(directory: str) -> dict[str, dict[str, Any]]:
-    tensors, _ = _read_safetensors(os.path.join(directory, WEIGHTS_NAME))
+    tensors, _ = _read_safetensors(os.path.join(directory, WEIGHTS_NAME), "load_peft")
     modules: dict[str, dict[str, Any]] = {}
     for key, arr in tensors.items():
         if key.startswith(_PREFIX) and key.endswith((_MAGNITUDE, _MAGNITUDE + ".weight")):
@@ -275,6 +288,13 @@ def _read_modules(directory: str) -> dict[str, dict[str, Any]]:
         if "A" not in entry or "B" not in entry:
             missing = "lora_B" if "A" in entry else "lora_A"
             raise ValueError(f"load_peft: module {name!r} has no {missing} tensor.")
+        for side in ("A", "B"):
+            arr = entry[side]
+            if arr.ndim < 2 or not (np.issubdtype(arr.dtype, np.floating)
+                                    or arr.dtype.name == "bfloat16") or 0 in arr.shape:
+                raise ValueError(f"load_peft: module {name!r}: lora_{side} has shape "
+                                 f"{arr.shape} and dtype {arr.dtype}; expected a non-empty "
+                                 "floating-point matrix (or conv kernel).")
         if entry["A"].shape[0] != entry["B"].shape[1]:
             raise ValueError(f"load_peft: module {name!r}: lora_A {entry['A'].shape} and lora_B "
                              f"{entry['B'].shape} have different ranks.")
@@ -476,6 +496,15 @@ def load_peft(
         See [`lorax.save_peft`][].
     """
     directory = os.fspath(directory)
+    try:
+        return _load(directory, params, module_name, layout)
+    except ValueError as err:  # what the files bring names them
+        if directory in str(err):
+            raise
+        raise ValueError(f"{err} (PEFT adapter {directory!r})") from None
+
+
+def _load(directory: str, params: Any, module_name: Any, layout: Any) -> tuple[Any, Any]:
     config = _read_config(directory)
     modules = _read_modules(directory)
     use_dora = bool(config.get("use_dora"))

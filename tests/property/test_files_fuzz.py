@@ -1,0 +1,137 @@
+"""Files from strangers: mutated adapter and PEFT files give a `ValueError` naming the
+file, or load, and nothing else: no crash, no hang, no allocation beyond the file's
+size, no half-applied adapter.
+
+Each example starts from a valid file and applies one mutation: truncation, bit flips,
+an edit of a tensor's header entry (offsets past the end, overlapping, negative or huge
+shapes, unknown dtypes), or of a JSON field the loader reads (any JSON type). The
+thorough profile runs 600 examples per file kind (`HYPOTHESIS_PROFILE=thorough`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import lorax
+
+PARAMS = {"w": np.linspace(-1, 1, 8 * 6, dtype=np.float32).reshape(8, 6),
+          "bias": np.zeros(6, np.float32)}
+SPEC = {"w": 2, "bias": lorax.LORA_FULL}
+THOROUGH = max(settings.default.max_examples, 600 if settings.default.max_examples >= 400 else 0)
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats(allow_nan=True)
+    | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner, max_size=3),
+    max_leaves=6)
+
+
+def _lora_params():
+    lp = lorax.init_lora({k: jnp.asarray(v) for k, v in PARAMS.items()}, SPEC, jax.random.PRNGKey(0))
+    return {**lp, "w": lorax.LoraWeight(lp["w"].w, lp["w"].a, lp["w"].b + 0.1, alpha=2.0)}
+
+
+@pytest.fixture(scope="module")
+def valid_files(tmp_path_factory):
+    d = tmp_path_factory.mktemp("valid")
+    lp = _lora_params()
+    lorax.save_adapter(d / "adapter.safetensors", lp, SPEC)
+    lorax.save_peft(d / "peft", {"w": lp["w"]}, layout="in_out", base_model_name_or_path="x")
+    return {"adapter": (d / "adapter.safetensors").read_bytes(),
+            "peft_weights": (d / "peft" / "adapter_model.safetensors").read_bytes(),
+            "peft_config": (d / "peft" / "adapter_config.json").read_bytes()}
+
+
+def _split(data: bytes) -> tuple[dict, bytes]:
+    (n,) = struct.unpack("<Q", data[:8])
+    return json.loads(data[8:8 + n]), data[8 + n:]
+
+
+def _join(header: dict, body: bytes) -> bytes:
+    head = json.dumps(header).encode()
+    return struct.pack("<Q", len(head)) + head + body
+
+
+@st.composite
+def mutations(draw, data: bytes):
+    kind = draw(st.sampled_from(["truncate", "flip", "tensor", "metadata"]))
+    if kind == "truncate":
+        return data[:draw(st.integers(0, len(data) - 1))]
+    if kind == "flip":
+        out = bytearray(data)
+        for _ in range(draw(st.integers(1, 4))):
+            i = draw(st.integers(0, len(data) - 1))
+            out[i] ^= 1 << draw(st.integers(0, 7))
+        return bytes(out)
+    header, body = _split(data)
+    names = sorted(k for k in header if k != "__metadata__")
+    if kind == "tensor":
+        name = draw(st.sampled_from(names))
+        key = draw(st.sampled_from(["data_offsets", "shape", "dtype"]))
+        big = st.integers(-2**40, 2**62)
+        header[name][key] = draw({
+            "data_offsets": st.lists(st.integers(-8, len(body) + 64) | big, min_size=0, max_size=3),
+            "shape": st.lists(st.integers(-3, 12) | big, max_size=4),
+            "dtype": st.sampled_from(["F32", "F16", "BF16", "I8", "F64", "Q4", "", "f32"]),
+        }[key])
+        return _join(header, body)
+    meta = header.setdefault("__metadata__", {})
+    if "entries" in meta and draw(st.booleans()):
+        entries = json.loads(meta["entries"])
+        entry = draw(st.sampled_from(entries))
+        entry[draw(st.sampled_from(sorted(entry) + ["m_axes"]))] = draw(json_values)
+        meta["entries"] = json.dumps(entries)
+    else:
+        meta[draw(st.sampled_from(sorted(meta) or ["format"]))] = draw(st.text(max_size=12))
+    return _join(header, body)
+
+
+def _loads_or_names_the_file(load, where: str):
+    try:
+        load()
+    except ValueError as err:
+        assert where in str(err), f"the error does not name {where!r}: {err}"
+
+
+@settings(max_examples=THOROUGH or settings.default.max_examples, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(data=st.data())
+def test_mutated_adapter_files(valid_files, tmp_path, data):
+    blob = data.draw(mutations(valid_files["adapter"]))
+    path = tmp_path / "adapter.safetensors"
+    path.write_bytes(blob)
+    base = {k: jnp.asarray(v) for k, v in PARAMS.items()}
+    _loads_or_names_the_file(lambda: lorax.load_adapter(path, base), os.fspath(path))
+    for k, v in PARAMS.items():  # the caller's parameters are never touched
+        np.testing.assert_array_equal(base[k], v)
+
+
+@settings(max_examples=THOROUGH or settings.default.max_examples, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(data=st.data())
+def test_mutated_peft_adapters(valid_files, tmp_path, data):
+    d = tmp_path / "peft"
+    d.mkdir(exist_ok=True)
+    weights, config = valid_files["peft_weights"], valid_files["peft_config"]
+    if data.draw(st.booleans()):
+        weights = data.draw(mutations(weights))
+    else:
+        cfg = json.loads(config)
+        if data.draw(st.booleans()):
+            cfg[data.draw(st.sampled_from(sorted(cfg)))] = data.draw(json_values)
+            config = json.dumps(cfg).encode()
+        else:
+            config = config[:data.draw(st.integers(0, len(config) - 1))]
+    (d / "adapter_model.safetensors").write_bytes(weights)
+    (d / "adapter_config.json").write_bytes(config)
+    base = {"w": jnp.asarray(PARAMS["w"])}
+    _loads_or_names_the_file(lambda: lorax.load_peft(d, base, layout="in_out"), os.fspath(d))
