@@ -44,6 +44,8 @@ def _simulate_devices(argv: list[str]) -> None:
 
 if __name__ == "__main__":
     _simulate_devices(sys.argv[1:])
+    # `examples.checkpointing` (the checkpoint recipe) from the repository root.
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import argparse  # noqa: E402
 
@@ -102,6 +104,9 @@ def main(argv: list[str] | None = None) -> dict:
                         help="quantize the frozen base (QLoRA), e.g. int8 or nf4")
     parser.add_argument("--out", default=None,
                         help="write the adapter here (adapter.safetensors and peft/)")
+    parser.add_argument("--checkpoint-dir", default=None,
+                        help="resumable: checkpoints here (orbax), resumed when present")
+    parser.add_argument("--checkpoint-every", type=int, default=5)
     parser.add_argument("--processes", type=int, default=1)
     parser.add_argument("--process-id", type=int, default=0)
     parser.add_argument("--coordinator", default=None, help="host:port of process 0")
@@ -155,6 +160,7 @@ def main(argv: list[str] | None = None) -> dict:
         return jax.tree.map(lambda a: a.sharding if a.ndim else NamedSharding(mesh, P()), tree)
 
     t_sh, o_sh = shardings(trainable), shardings(opt_state)
+    opt_state = jax.device_put(opt_state, o_sh)  # as the step takes it (and a restore gives it)
     compiled = jax.jit(
         step,
         in_shardings=(t_sh, shardings(frozen), o_sh, batch, batch),
@@ -176,11 +182,7 @@ def main(argv: list[str] | None = None) -> dict:
               f"outputs {mem.output_size_in_bytes}, temporaries {mem.temp_size_in_bytes}, "
               f"aliased {mem.alias_size_in_bytes}")
 
-    losses = []
-    for i in range(args.steps):
-        loss, trainable, opt_state = compiled(trainable, frozen, opt_state, x, y)
-        losses.append(float(loss))
-        print(f"step {i:3d} loss {losses[-1]:.6f}")
+    trainable, opt_state, losses = train(args, compiled, trainable, frozen, opt_state, x, y)
     print(f"loss {losses[0]:.6f} -> {losses[-1]:.6f}")
     if args.out:  # every process calls these (shards are gathered); process 0 writes
         tuned = lorax.combine(trainable, frozen)
@@ -192,6 +194,36 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"adapter written to {args.out} by process {jax.process_index()}")
     return dict(losses=losses, w_bytes_per_device=w_dev, w_bytes=w_all,
                 factor_bytes_per_device=f_dev, factor_bytes=f_all)
+
+
+def train(args, compiled, trainable, frozen, opt_state, x, y):
+    """The loop; with --checkpoint-dir, resumable (examples/checkpointing.py's recipe:
+    every process writes and reads its own shards)."""
+    state = {"trainable": trainable, "opt_state": opt_state,
+             "losses": np.zeros(args.steps, np.float32)}
+    manager, start = None, 0
+    if args.checkpoint_dir:
+        from examples import checkpointing
+
+        manager = checkpointing.open_manager(args.checkpoint_dir, args.checkpoint_every, keep=2)
+        state = checkpointing.restore(manager, state)
+        start = manager.latest_step() or 0
+        if start:
+            print(f"resumed from step {start}")
+    trainable, opt_state = state["trainable"], state["opt_state"]
+    losses = [float(v) for v in np.asarray(state["losses"])[:start]]
+    for i in range(start, args.steps):
+        loss, trainable, opt_state = compiled(trainable, frozen, opt_state, x, y)
+        losses.append(float(loss))
+        print(f"step {i:3d} loss {losses[-1]:.6f}", flush=True)
+        if manager is not None:
+            state = {"trainable": trainable, "opt_state": opt_state,
+                     "losses": np.array(losses + [0.0] * (args.steps - i - 1), np.float32)}
+            checkpointing.save(manager, i + 1, state, force=i + 1 == args.steps)
+    if manager is not None:
+        manager.wait_until_finished()
+        manager.close()
+    return trainable, opt_state, losses
 
 
 def start_processes(args: argparse.Namespace) -> None:

@@ -86,3 +86,32 @@ def test_two_processes_train_and_save_like_one(tmp_path, qtype):
         np.testing.assert_allclose(_losses(run.stdout), _losses(plain.stdout), rtol=1e-5)
     assert "by process 0" in two[0].stdout and "by process 1" in two[1].stdout
     assert _files(tmp_path / "two") == _files(tmp_path / "one")
+
+
+KILLER = (ROOT / "tests" / "examples" / "test_checkpointing.py").read_text().split('KILLER = r"""')[1].split('"""')[0]
+
+
+def test_two_processes_killed_during_a_save_resume_to_the_same_adapter(tmp_path):
+    """Both processes die while checkpoint 4 is being written (after its files, before
+    orbax commits it); run again, they resume from checkpoint 2 and write the adapter an
+    uninterrupted two-process run writes, byte for byte."""
+    args = [*ARGS[:-2], "--steps", "6", "--checkpoint-every", "2"]
+
+    def run(out, kill=None):
+        port = _free_port()
+        cmds = []
+        for i in range(2):
+            cmd = [str(EXAMPLE), *args, "--out", str(tmp_path / out), "--processes", "2",
+                   "--process-id", str(i), "--coordinator", f"127.0.0.1:{port}",
+                   "--checkpoint-dir", str(tmp_path / out / "ckpt")]
+            cmds.append([sys.executable, *(["-c", KILLER, *kill] if kill else []), *cmd])
+        return _launch(cmds)
+
+    straight = run("straight")
+    assert all(r.returncode == 0 for r in straight), straight[0].stderr[-3000:]
+    killed = run("killed", kill=("during", "4"))
+    assert [r.returncode for r in killed] == [-signal.SIGKILL] * 2, killed[0].stderr[-3000:]
+    resumed = run("killed")
+    assert all(r.returncode == 0 for r in resumed), resumed[0].stderr[-3000:]
+    assert all("resumed from step 2" in r.stdout for r in resumed), resumed[0].stdout
+    assert _files(tmp_path / "killed") == _files(tmp_path / "straight")
