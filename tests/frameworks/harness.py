@@ -42,10 +42,11 @@ def _nudge(lp: Any, key: jax.Array) -> Any:
             kb, km = jax.random.split(k)
             b = 0.1 * jax.random.normal(kb, leaf.b.shape, leaf.b.dtype)
             m = leaf.m * (1.0 + 0.2 * jax.random.normal(km, leaf.m.shape, leaf.m.dtype))
-            leaf = lorax.DoraWeight(leaf.w, leaf.a * 10.0, b, m, alpha=leaf.alpha)
+            leaf = lorax.DoraWeight(leaf.w, leaf.a * 10.0, b, m, alpha=leaf.alpha,
+                                    m_axes=leaf.m_axes)
         elif _is_lora(leaf):
             b = 0.1 * jax.random.normal(k, leaf.b.shape, leaf.b.dtype)
-            leaf = lorax.LoraWeight(leaf.w, leaf.a * 10.0, b, alpha=leaf.alpha)
+            leaf = lorax.LoraWeight(leaf.w, leaf.a * 10.0, b, alpha=leaf.alpha, m_axes=leaf.m_axes)
         out.append(leaf)
     return jax.tree.unflatten(treedef, out)
 
