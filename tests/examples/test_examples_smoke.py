@@ -15,7 +15,8 @@ import pytest
 EXAMPLES = pathlib.Path(__file__).resolve().parents[2] / "examples"
 
 # example -> number of LoRA weights its summary line must report
-CASES = {"flax_linen": 7, "flax_nnx": 7, "haiku_example": 3, "equinox_example": 8, "hf_flax": 9}
+CASES = {"flax_linen": 7, "flax_nnx": 7, "haiku_example": 3, "equinox_example": 8, "hf_flax": 9,
+         "keras_example": 8, "penzai_example": 8}
 
 
 def _load(name: str):
