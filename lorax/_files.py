@@ -95,3 +95,42 @@ _KINDS = {
 
 def _is_kind(value: Any, kind: str) -> bool:
     return _KINDS[kind][1](value)
+
+
+class GGUFHeader:
+    """What lorax reads of a GGUF file: its metadata values and tensors' ggml shapes and
+    types, read through gguf-py and checked (see `read_gguf_header`)."""
+
+    def __init__(self, path: str, metadata: dict[str, Any], tensors: dict[str, tuple]):
+        self.path = path
+        self.metadata = metadata  # key -> value (str, number, bool or list)
+        self.tensors = tensors    # name -> (ggml shape, type name, the reader's tensor)
+
+    def value(self, key: str, kind: str, who: str) -> Any:
+        """A metadata value, checked (`field`'s kinds), or a `ValueError` naming file and key."""
+        return field(self.metadata, key, kind, who, f"GGUF {self.path!r}")
+
+
+def read_gguf_header(path: str | os.PathLike, who: str) -> GGUFHeader:
+    """A GGUF file's header through gguf-py, with every failure of a damaged or lying
+    file (truncation, offsets past the end, unknown types, byte counts that do not fit a
+    tensor's shape) a `ValueError` naming the file (and the tensor)."""
+    import gguf
+
+    path = os.fspath(path)
+    try:
+        reader = gguf.GGUFReader(path)
+        metadata = {name: f.contents() for name, f in reader.fields.items()}
+        tensors = {}
+        for t in reader.tensors:
+            shape = tuple(int(n) for n in t.shape)
+            block, type_bytes = gguf.GGML_QUANT_SIZES[t.tensor_type]
+            expected = math.prod(shape) // block * type_bytes
+            if any(n < 0 for n in shape) or shape and shape[0] % block or t.data.nbytes != expected:
+                raise ValueError(f"tensor {t.name!r} has {t.data.nbytes} bytes where its shape "
+                                 f"{list(shape)} and type {t.tensor_type.name} need {expected}")
+            tensors[t.name] = (shape, t.tensor_type.name, t)
+    except Exception as err:  # gguf-py raises many kinds on damaged input  # noqa: BLE001
+        raise ValueError(f"{who}: {path!r} is not a readable GGUF file "
+                         f"({type(err).__name__}: {err}).") from None
+    return GGUFHeader(path, metadata, tensors)

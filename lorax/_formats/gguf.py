@@ -24,6 +24,7 @@ from typing import Any, Literal
 import jax
 import numpy as np
 
+from .._files import read_gguf_header
 from ._export import export_modules
 
 # Architectures whose q/k rows llama.cpp's converter reorders (LlamaModel.permute).
@@ -121,11 +122,10 @@ def save_gguf_lora(
     gguf = _gguf()
     if qk_rows not in (None, "hf", "gguf"):
         raise ValueError(f"save_gguf_lora: qk_rows must be 'hf' or 'gguf', not {qk_rows!r}.")
-    reader = gguf.GGUFReader(os.fspath(base))
-    fields = reader.fields
-    arch = fields["general.architecture"].contents()
-    shapes = {t.name: tuple(int(n) for n in t.shape) for t in reader.tensors}  # ggml order
-    n_block = int(fields[f"{arch}.block_count"].contents())
+    header = read_gguf_header(base, "save_gguf_lora")
+    arch = header.value("general.architecture", "str", "save_gguf_lora")
+    shapes = {name: t[0] for name, t in header.tensors.items()}  # ggml order
+    n_block = header.value(f"{arch}.block_count", "int", "save_gguf_lora")
     try:
         arch_enum = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch)
         name_map = gguf.get_tensor_name_map(arch_enum, n_block)
@@ -149,9 +149,10 @@ def save_gguf_lora(
     alpha = collections.Counter(m.alpha for m in modules).most_common(1)[0][0]
     n_head = n_head_kv = None
     if arch in _QK_PERMUTED:
-        n_head = int(fields[f"{arch}.attention.head_count"].contents())
-        kv = fields.get(f"{arch}.attention.head_count_kv")
-        n_head_kv = int(kv.contents()) if kv is not None else n_head
+        n_head = header.value(f"{arch}.attention.head_count", "pos_int", "save_gguf_lora")
+        n_head_kv = n_head
+        if f"{arch}.attention.head_count_kv" in header.metadata:
+            n_head_kv = header.value(f"{arch}.attention.head_count_kv", "pos_int", "save_gguf_lora")
 
     tensors: dict[str, np.ndarray] = {}
     for m in modules:

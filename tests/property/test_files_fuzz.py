@@ -135,3 +135,76 @@ def test_mutated_peft_adapters(valid_files, tmp_path, data):
     (d / "adapter_config.json").write_bytes(config)
     base = {"w": jnp.asarray(PARAMS["w"])}
     _loads_or_names_the_file(lambda: lorax.load_peft(d, base, layout="in_out"), os.fspath(d))
+
+
+# -- GGUF: the base file save_gguf_lora reads ------------------------------------------
+
+
+def _gguf_base(path):
+    import gguf
+
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(1)
+    w.add_head_count(2)
+    w.add_head_count_kv(2)
+    w.add_tensor("token_embd.weight", np.zeros((16, 8), np.float32))
+    w.add_tensor("blk.0.ffn_down.weight", np.zeros((8, 32), np.float32))
+    w.add_tensor("blk.0.attn_v.weight", gguf.quants.quantize(
+        np.ones((8, 32), np.float32), gguf.GGMLQuantizationType.Q8_0),
+        raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@st.composite
+def gguf_mutations(draw, data: bytes):
+    if draw(st.booleans()):
+        return data[:draw(st.integers(0, len(data) - 1))]
+    out = bytearray(data)
+    # Flips in the header (counts, lengths, types, dims, offsets) are what can lie.
+    header_end = min(len(data), 600)
+    for _ in range(draw(st.integers(1, 4))):
+        i = draw(st.integers(0, header_end - 1))
+        out[i] = draw(st.integers(0, 255))
+    return bytes(out)
+
+
+@settings(max_examples=THOROUGH or settings.default.max_examples, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(data=st.data())
+def test_mutated_gguf_base_files(tmp_path, data):
+    pytest.importorskip("gguf")
+    valid = tmp_path / "valid.gguf"
+    if not valid.exists():
+        _gguf_base(valid)
+    path = tmp_path / "base.gguf"
+    path.write_bytes(data.draw(gguf_mutations(valid.read_bytes())))
+    lp = lorax.init_lora({"layers": {"0": {"mlp": {"down_proj": {"weight": jnp.zeros((8, 32))}}}}},
+                         {"layers": {"0": {"mlp": {"down_proj": {"weight": 2}}}}},
+                         jax.random.PRNGKey(0))
+    out = tmp_path / "adapter.gguf"
+    _loads_or_names_the_file(lambda: lorax.save_gguf_lora(
+        out, lp, path, layout="out_in", module_name=lambda p, l: "model.layers.0.mlp.down_proj"),
+        os.fspath(path))
+
+
+def test_the_unmutated_files_load(valid_files, tmp_path):
+    """The fuzzed files start valid: unmutated, each loads (so a mutation is what fails)."""
+    (tmp_path / "adapter.safetensors").write_bytes(valid_files["adapter"])
+    lp, _ = lorax.load_adapter(tmp_path / "adapter.safetensors",
+                               {k: jnp.asarray(v) for k, v in PARAMS.items()})
+    assert isinstance(lp["w"], lorax.LoraWeight)
+    d = tmp_path / "peft"
+    d.mkdir()
+    (d / "adapter_model.safetensors").write_bytes(valid_files["peft_weights"])
+    (d / "adapter_config.json").write_bytes(valid_files["peft_config"])
+    lp, _ = lorax.load_peft(d, {"w": jnp.asarray(PARAMS["w"])}, layout="in_out")
+    assert isinstance(lp["w"], lorax.LoraWeight)
+    pytest.importorskip("gguf")
+    _gguf_base(tmp_path / "base.gguf")
+    lp = lorax.init_lora({"w": jnp.zeros((8, 32))}, {"w": 2}, jax.random.PRNGKey(0))
+    lorax.save_gguf_lora(tmp_path / "a.gguf", lp, tmp_path / "base.gguf", layout="out_in",
+                         module_name=lambda p, l: "model.layers.0.mlp.down_proj")
+    assert (tmp_path / "a.gguf").stat().st_size > 0
