@@ -153,7 +153,7 @@ def save_peft(
             lorax.save_peft(d, lp)
             config = json.load(open(f"{d}/adapter_config.json"))
             loaded, spec = lorax.load_peft(d, params)
-        assert config["target_modules"] == ["model.q_proj"] and config["r"] == 4
+        assert config["target_modules"] == ["q_proj"] and config["r"] == 4
         assert (loaded["model"]["q_proj"]["kernel"].a == lp["model"]["q_proj"]["kernel"].a).all()
         ```
     """
@@ -190,7 +190,7 @@ def save_peft(
         "base_model_name_or_path": base_model_name_or_path,
         "r": r,
         "lora_alpha": number(alpha),
-        "target_modules": sorted(names),
+        "target_modules": _target_modules(names, _other_modules(lora_params, module_name)),
         "rank_pattern": rank_pattern,
         "alpha_pattern": {k: number(v) for k, v in alpha_pattern.items()},
         "lora_dropout": 0.0,
@@ -213,6 +213,38 @@ def save_peft(
             json.dump(config, f, indent=2, sort_keys=True)
             f.write("\n")
         _write_safetensors(os.path.join(directory, WEIGHTS_NAME), tensors, {"format": "pt"})
+
+
+def _target_modules(names: list[str], others: set[str]) -> list[str]:
+    """The shortest `target_modules` list that selects exactly `names` among `names` and
+    `others` under PEFT's rule for a list (a module is selected when its name equals an
+    entry or ends with `"." + entry`): `["q_proj", "v_proj"]` rather than every layer's
+    full name, a longer suffix only where a shorter one would also pick another module."""
+    def selects(entry: str, name: str) -> bool:
+        return name == entry or name.endswith("." + entry)
+
+    chosen = set()
+    for name in names:
+        parts = name.split(".")
+        suffixes = (".".join(parts[i:]) for i in range(len(parts) - 1, -1, -1))
+        chosen.add(next(s for s in suffixes if not any(selects(s, o) for o in others)))
+    return sorted(chosen)
+
+
+def _other_modules(lora_params: Any, module_name: Any) -> set[str]:
+    """Torch names of the weights in `lora_params` that carry no LoRA (as far as they can
+    be named: default names, or `module_name` where it names them)."""
+    out = set()
+    for path, leaf in jax.tree_util.tree_flatten_with_path(lora_params, is_leaf=_engine.is_value)[0]:
+        if isinstance(leaf, LoraWeight) or len(getattr(leaf, "shape", ())) < 2:
+            continue
+        parts = _torch.key_parts(path)
+        try:
+            out.update(_torch.module_name_for("save_peft", module_name, "/".join(parts), parts,
+                                              None, 0, tuple(leaf.shape)))
+        except Exception:  # noqa: BLE001  (a callable written for the adapted weights only)
+            out.add(_torch.default_module_name(parts))
+    return out
 
 
 def _read_config(directory: str) -> dict[str, Any]:

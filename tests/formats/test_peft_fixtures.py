@@ -344,7 +344,7 @@ def test_tied_export_reproduces_what_peft_loaded(tied_model, tmp_path):
     for f in ("adapter_config.json", "adapter_model.safetensors"):
         assert (tmp_path / f).read_bytes() == (TIED / "lorax_made" / f).read_bytes(), f
     config, tensors = read(tmp_path)
-    assert "lm_head" in config["target_modules"] and "model.embed_tokens" in config["target_modules"]
+    assert "lm_head" in config["target_modules"] and "embed_tokens" in config["target_modules"]
     # One update, two modules: lm_head's Linear factors are the embedding's, transposed.
     p = "base_model.model."
     np.testing.assert_array_equal(tensors[p + "lm_head.lora_A.weight"],

@@ -89,7 +89,8 @@ def test_round_trip_and_peft_semantics(tmp_path, case):
 
     config, tensors = _read(tmp_path)
     module = f"enc.{name}"
-    assert config["target_modules"] == [module] and config["base_model_name_or_path"] == "toy"
+    # PEFT's shortest form: the module's own name selects it (and nothing else here).
+    assert config["target_modules"] == [name] and config["base_model_name_or_path"] == "toy"
     if kind == "embedding":
         a, b = tensors[P + module + ".lora_embedding_A"], tensors[P + module + ".lora_embedding_B"]
     else:
@@ -117,7 +118,7 @@ def test_stacked_layers_are_one_module_each(tmp_path):
     layout = {"layers/q": "in_out"}
     lorax.save_peft(tmp_path, lp, module_name=names, layout=layout)
     config, tensors = _read(tmp_path)
-    assert config["target_modules"] == [f"model.layers.{i}.self_attn.q_proj" for i in range(3)]
+    assert config["target_modules"] == ["q_proj"]  # every layer's q_proj
     for i in range(3):
         a = tensors[f"{P}model.layers.{i}.self_attn.q_proj.lora_A.weight"]
         b = tensors[f"{P}model.layers.{i}.self_attn.q_proj.lora_B.weight"]
@@ -342,7 +343,7 @@ def test_tied_embedding_is_both_modules(tmp_path):
     layout = {"embed": ("embedding", "out_in")}  # lm_head's torch weight is (vocab, dim)
     lorax.save_peft(tmp_path, lp, module_name=names, layout=layout)
     config, tensors = _read(tmp_path)
-    assert config["target_modules"] == ["lm_head", "model.embed_tokens"]
+    assert config["target_modules"] == ["embed_tokens", "lm_head"]
     lw = lp["embed"]
     eff = np.asarray(lw.materialize())
     s = _peft_scale(config, "lm_head", 3)
@@ -389,3 +390,18 @@ def test_factors_that_fit_two_ways_need_a_lora_tree(tmp_path):
     loaded, spec = lorax.load_peft(tmp_path, {"x": target}, layout="in_out")
     assert spec["x"].m_ndim == 2
     np.testing.assert_array_equal(loaded["x"].b, lw.b)
+
+
+def test_target_modules_are_the_shortest_exact_selection(tmp_path):
+    """Short names where they select exactly the adapted modules; a longer suffix where a
+    short one would also select a weight that carries no LoRA."""
+    params = {"enc": {"q_proj": {"kernel": jnp.ones((8, 8))}, "v_proj": {"kernel": jnp.ones((8, 8))}},
+              "dec": {"q_proj": {"kernel": jnp.ones((8, 8))}}}
+    spec = {"enc": {"q_proj": {"kernel": 2}, "v_proj": {"kernel": 2}},
+            "dec": {"q_proj": {"kernel": lorax.LORA_FREEZE}}}
+    lorax.save_peft(tmp_path, lorax.init_lora(params, spec, jax.random.PRNGKey(0)))
+    config, _ = _read(tmp_path)
+    assert config["target_modules"] == ["enc.q_proj", "v_proj"]
+    select = lambda name: any(name == t or name.endswith("." + t)  # noqa: E731
+                              for t in config["target_modules"])
+    assert [select(n) for n in ("enc.q_proj", "enc.v_proj", "dec.q_proj")] == [True, True, False]

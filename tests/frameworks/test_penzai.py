@@ -53,3 +53,26 @@ def test_layer_stacked_llamalike_with_tied_embeddings():
 def test_plain_llamalike():
     apply, params = _llamalike(stacked=False)
     check_lora_model(apply, params, (TOKENS,), TARGETS, rank=2, expected_lora=15)
+
+
+def test_infer_layout_same_on_the_second_call():
+    """penzai's `NamedArray.__getitem__` (the embedding lookup) is a module-level
+    `jax.jit`: an untied embedding table reaches its gather only inside that nested jit,
+    which quax caches. Both calls must record the lookup (found by the frameworks work:
+    before the fix, the second call raised "it never reaches a dot_general, conv or gather")."""
+    config = llamalike_common.LlamalikeTransformerConfig(
+        num_kv_heads=1, query_head_multiplier=1, embedding_dim=4, projection_dim=2,
+        mlp_hidden_dim=4, num_decoder_blocks=1, vocab_size=11, mlp_variant="swiglu",
+        tie_embedder_and_logits=False)
+    body, frozen = pz.unbind_params(
+        llamalike_common.build_llamalike_transformer(config, init_base_rng=jax.random.key(0)),
+        freeze=True)
+    params = {p.label: p for p in frozen}
+    apply = lambda p, t: pz.bind_variables(body, list(p.values()))(t).data_array  # noqa: E731
+    tokens = pz.nx.wrap(jnp.array([[1, 2, 3]]), "batch", "seq")
+    spec = lorax.simple_spec(params, targets="embedder", rank=2)
+    # (penzai's NamedArray overloads `==` elementwise: compare the spec values.)
+    first = jax.tree.leaves(lorax.infer_layout(apply, params, spec, tokens))
+    assert lorax.LoraSpec(2, batch_ndim=0, m_ndim=1) in first
+    for _ in range(3):
+        assert jax.tree.leaves(lorax.infer_layout(apply, params, spec, tokens)) == first
