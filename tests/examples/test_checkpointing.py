@@ -27,28 +27,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "checkpointing.py"
 ARGS = ["--steps", "12", "--every", "5", "--keep", "2", "--dim", "64"]
 
-KILLER = r"""
-import os, runpy, signal, sys
-import orbax.checkpoint as ocp
-mode, at = sys.argv[1], int(sys.argv[2])
-sys.argv = [sys.argv[3]] + sys.argv[4:]
-save, finalize = ocp.CheckpointManager.save, ocp.CheckpointManager._finalize
-
-def patched_save(self, step, *args, **kwargs):
-    out = save(self, step, *args, **kwargs)
-    if mode == "between" and step == at:
-        self.wait_until_finished()
-        os.kill(os.getpid(), signal.SIGKILL)
-    return out
-
-def patched_finalize(self, step, *args, **kwargs):
-    if mode == "during" and step == at:
-        os.kill(os.getpid(), signal.SIGKILL)
-    return finalize(self, step, *args, **kwargs)
-
-ocp.CheckpointManager.save, ocp.CheckpointManager._finalize = patched_save, patched_finalize
-runpy.run_path(sys.argv[0], run_name="__main__")
-"""
+from kill_during_save import KILLER  # noqa: E402  (the wrapper that places the kills)
 
 
 def _run(directory, kill=None):
