@@ -18,7 +18,6 @@ import subprocess
 import sys
 
 import numpy as np
-import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "fsdp.py"
