@@ -274,6 +274,12 @@ def resolve_block_size(fmt: F.Format, k: int, block_size: int | None) -> int:
 def check_quantizable(fmt: F.Format, shape: tuple[int, ...], dtype: Any, axis: int,
                       block_size: int | None, double_quant: bool, where: str) -> None:
     """Raise a `ValueError` naming `where` if the array cannot be quantized as asked."""
+    if fmt.quantize is None:
+        quantizable = ", ".join(n for n, f in F.FORMATS.items() if f.quantize is not None)
+        raise ValueError(
+            f"quantize: lorax has no {fmt.name} quantizer (for {where}); the K-quants come "
+            f"from GGUF files as they are (QuantizedArray.from_gguf, lorax.load_gguf). "
+            f"Quantizable types: {quantizable}.")
     if not jnp.issubdtype(dtype, jnp.floating):
         raise ValueError(f"quantize: {where} has dtype {dtype}; only floating-point "
                          "arrays can be quantized.")
@@ -294,12 +300,6 @@ def check_quantizable(fmt: F.Format, shape: tuple[int, ...], dtype: Any, axis: i
             f"not a multiple of the {fmt.name} block size {bs}"
             + (" (4-bit blocks need an even size)" if fmt.bits == 4 and bs % 2 else "")
             + ". Pass another block_size (or leave this weight dense with LORA_FULL).")
-    if fmt.quantize is None:
-        quantizable = ", ".join(n for n, f in F.FORMATS.items() if f.quantize is not None)
-        raise ValueError(
-            f"quantize: lorax has no {fmt.name} quantizer (for {where}); the K-quants come "
-            f"from GGUF files as they are (QuantizedArray.from_gguf, lorax.load_gguf). "
-            f"Quantizable types: {quantizable}.")
     if double_quant and fmt.name != "nf4":
         raise ValueError(f"quantize: double_quant is NF4's; got qtype {fmt.name!r}.")
 
