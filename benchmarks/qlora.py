@@ -11,8 +11,11 @@ Models (LoRA rank 8 on every kernel, Adam on the factors, the partition path):
   `nnx.MultiHeadAttention` + `nnx.Linear`), where qwix's QLoRA (`qwix.LoraProvider`
   with `weight_qtype` nf4 / int8) runs side by side with lorax's on the same model.
 
-Implementations: `dense` (LoRA on the float32 base), `int8` / `nf4` / `q4_1` (lorax's
-`QuantizedArray` base), `naive_nf4` (the dequantize-then-dot one writes by hand:
+Implementations: `dense` (LoRA on the float32 base), `int8` / `nf4` / `q4_1` / `q5_0` /
+`q4_k` / `q6_k` (lorax's `QuantizedArray` base; GGUF's K-quants `q4_k` / `q6_k`, which
+lorax reads from files but does not quantize, are random GGUF blocks of the kernel's
+shape, centred, with the dense weights' standard deviation: step time and memory do not
+depend on the values), `naive_nf4` (the dequantize-then-dot one writes by hand:
 `x @ stop_gradient(q.dequantize()) + (x @ b) @ a`), and on `nnx` `qwix_nf4` /
 `qwix_int8`. Memory is XLA's `memory_analysis()` of the compiled step (deterministic on
 CPU): arguments (the base, factors, optimizer state, batch) and temporaries, also in
@@ -35,6 +38,7 @@ if __package__ in (None, ""):
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax import lax
 
@@ -44,7 +48,10 @@ from . import _common as C
 from . import blocks
 
 RANK = 8
-QTYPES = ("int8", "nf4", "q4_1")
+QTYPES = ("int8", "nf4", "q4_1", "q5_0", "q4_k", "q6_k")
+# GGUF K-quant blocks filled at random: (values, bytes, byte of d, byte of dmin, mean code
+# product / mean min, so dmin = d * that centres the values).
+K_BLOCKS = {"q4_k": (256, 144, 0, 2, 7.5), "q6_k": (256, 210, 208, None, 0.0)}
 DEFAULT = dict(mlp=(512, 1024, 2048), scan=(512, 1024), nnx=(256, 512), rounds=5)
 QUICK = dict(mlp=(128,), scan=(128,), nnx=(128,), rounds=2)
 HAVE_QWIX = blocks.HAVE_QWIX
@@ -102,6 +109,27 @@ def _naive_dot(x: jax.Array, w: Any) -> jax.Array:
     return x @ base + ((x @ w.b.astype(base.dtype)) @ w.a.astype(base.dtype)) * w.scale
 
 
+def _random_gguf(kernels: dict, qtype: str) -> dict:
+    """Each `(..., in, out)` kernel as random `qtype` blocks of its shape (see above)."""
+    values, size, d_at, m_at, centre = K_BLOCKS[qtype]
+    rng = np.random.default_rng(0)
+
+    def blocks(w: jax.Array) -> lorax.QuantizedArray:
+        *lead, k, n = w.shape  # an (in, out) kernel: GGUF rows are its output channels
+        data = rng.integers(0, 256, (*lead, n, k // values, size), dtype=np.uint8)
+
+        def wrap(d: float) -> lorax.QuantizedArray:
+            for at, v in ((d_at, d), (m_at, d * centre)):
+                if at is not None:
+                    data[..., at:at + 2] = np.float16(v).reshape(1).view(np.uint8)
+            return lorax.QuantizedArray.from_gguf(data.reshape(*lead, n, -1), qtype)
+
+        std = float(jnp.std(wrap(1.0).dequantize()))
+        return wrap(float(jnp.std(w)) / std)
+
+    return {name: blocks(w) for name, w in kernels.items()}
+
+
 # -- one implementation's step -----------------------------------------------------------
 
 
@@ -132,7 +160,10 @@ def _lorax_runner(model: str, d: int, impl: str, x: jax.Array) -> tuple[Runner, 
         spec = {"layers": {k: lorax.LoraSpec(RANK, batch_ndim=1, m_ndim=1) for k in params["layers"]},
                 "norm": lorax.LORA_FREEZE}
     qtype = impl.removeprefix("naive_")
-    if impl != "dense":
+    if qtype in K_BLOCKS:  # every kernel; the norms stay
+        params = (_random_gguf(params, qtype) if model == "mlp"
+                  else dict(params, layers=_random_gguf(params["layers"], qtype)))
+    elif impl != "dense":
         params = lorax.quantize(params, spec, qtype)
     lp = lorax.init_lora(params, spec, jax.random.PRNGKey(1), alpha=2.0 * RANK)
     lp = jax.tree.map(lambda w: lorax.LoraWeight(w.w, w.a, jnp.full_like(w.b, 0.01), w.alpha)
@@ -193,10 +224,11 @@ def _nnx_runner(d: int, impl: str, x: jax.Array) -> tuple[Runner, Any]:
     return Runner(step, state, frozen, x), compiled
 
 
-def _impls(model: str) -> tuple[str, ...]:
+def _impls(model: str, d: int) -> tuple[str, ...]:
     if model == "nnx":
         return ("dense", "int8", "nf4", *(("qwix_int8", "qwix_nf4") if HAVE_QWIX else ()))
-    return ("dense", *QTYPES, "naive_nf4")
+    # K-quant blocks are 256 values long: d must split into them (not at --quick's 128).
+    return ("dense", *(q for q in QTYPES if q not in K_BLOCKS or d % 256 == 0), "naive_nf4")
 
 
 class Cell:
@@ -209,7 +241,7 @@ class Cell:
             x = jax.random.normal(jax.random.PRNGKey(2), (8, 128, d) if model == "scan" else (4, 128, d))
         self.runners: dict[str, Runner] = {}
         self.memory: dict[str, tuple[float, float]] = {}
-        for impl in _impls(model):
+        for impl in _impls(model, d):
             runner, compiled = (_nnx_runner(d, impl, x) if model == "nnx"
                                 else _lorax_runner(model, d, impl, x))
             m = compiled.memory_analysis()

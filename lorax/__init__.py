@@ -7,6 +7,7 @@ from ._engine import (
     LoraMaterializationWarning as LoraMaterializationWarning,
 )
 from ._formats import (
+    load_gguf as load_gguf,
     load_peft as load_peft,
     save_gguf_lora as save_gguf_lora,
     save_peft as save_peft,
@@ -64,6 +65,7 @@ __all__ = [
     "infer_layout",
     "init_lora",
     "load_adapter",
+    "load_gguf",
     "load_peft",
     "lora",
     "loraplus",

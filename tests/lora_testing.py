@@ -84,3 +84,40 @@ def tiny_llama(key, n_layers=2, dim=64, hidden=128, n_heads=4, n_kv_heads=2, voc
                                  up=(d, h), down=(h, d)).items()}},
               "final_norm": jnp.ones(d)}
     return cfg, params
+
+
+def gguf_blocks(qtype, shape, seed=0, std=None):
+    """Random GGUF blocks of `qtype` for a numpy-order tensor `shape` (`(..., rows, n)`,
+    blocks along the last axis): `uint8 (..., rows, n / block * block_bytes)`, as a GGUF
+    file stores them. Every code byte random; the float16 `d` (and `m`) finite, of
+    random sign and magnitude (1e-7 .. 10: float16 subnormals included), or with `std`
+    scaled so the values have about that standard deviation."""
+    import gguf
+
+    from lorax._quant import _formats as F
+
+    fmt = F.FORMATS[qtype]
+    rec = fmt.record
+    rng = np.random.default_rng(seed)
+    n_blocks = shape[-1] // fmt.block_size
+    data = rng.integers(0, 256, (*shape[:-1], n_blocks, rec.size), dtype=np.uint8)
+    fields = [rec.d] if rec.m is None else [rec.d, rec.m]
+    mag = rng.standard_normal((len(fields), *shape[:-1], n_blocks)) * 10 ** rng.uniform(-7, 1, (len(fields), *shape[:-1], n_blocks))
+    if std is not None:  # values are linear in (d, m): centre with m, then rescale both
+        mag = rng.uniform(0.5, 1.5, mag.shape)
+
+        def values(mag):
+            for at, v in zip(fields, mag):
+                data[..., at:at + 2] = v.astype(np.float16)[..., None].view(np.uint8)
+            # gguf-py's numpy dequantizer: no XLA compile per shape
+            return gguf.quants.dequantize(data.reshape(*shape[:-1], -1),
+                                          gguf.GGMLQuantizationType[qtype.upper()])
+
+        if len(fields) == 2:
+            mu_d = values(mag * np.array([1.0, 0.0]).reshape(2, *[1] * (mag.ndim - 1))).mean()
+            mu_m = values(mag * np.array([0.0, 1.0]).reshape(2, *[1] * (mag.ndim - 1))).mean()
+            mag[1] *= -mu_d / mu_m
+        mag = mag * std / float(np.std(values(mag)))
+    for at, v in zip(fields, mag):
+        data[..., at:at + 2] = v.astype(np.float16)[..., None].view(np.uint8)
+    return data.reshape(*shape[:-1], -1)

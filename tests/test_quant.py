@@ -443,7 +443,7 @@ def test_save_adapter_and_load_it_onto_a_quantized_base(tmp_path):
 
 def test_bad_input_names_the_key_path():
     params, spec, _ = _mlp()
-    with pytest.raises(ValueError, match="unknown qtype 'nf5'.*int8, int4, nf4, q4_0, q4_1, q8_0"):
+    with pytest.raises(ValueError, match="unknown qtype 'nf5'.*int8, int4, nf4, q4_0, q4_1, q5_0, q5_1, q8_0, q2_k, q3_k, q4_k, q5_k, q6_k"):
         lorax.quantize(params, spec, "nf5")
     with pytest.raises(ValueError, match=r"'l1/kernel'.*\(64, 64\).*block size 24"):
         lorax.quantize(params, spec, "nf4", block_size=24)

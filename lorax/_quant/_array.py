@@ -184,7 +184,9 @@ class QuantizedArray(_engine.ArrayValue, metaclass=_engine.FastPytreeMeta):
         **Arguments:**
 
         - `w`: a floating-point array with at least two axes.
-        - `qtype`: one of `"int8"`, `"int4"`, `"nf4"`, `"q4_0"`, `"q4_1"`, `"q8_0"`.
+        - `qtype`: one of `"int8"`, `"int4"`, `"nf4"`, `"q4_0"`, `"q4_1"`, `"q5_0"`,
+          `"q5_1"`, `"q8_0"` (the K-quants `"q2_k"` .. `"q6_k"` have no quantizer in
+          lorax: wrap GGUF blocks with `from_gguf` or [`lorax.load_gguf`][]).
         - `block_size`: values per block along `axis` (default: the format's; `int8` is
           one block per output channel; the GGUF types are fixed at 32).
         - `axis`: the block axis (default `-2`, an `(in, out)` kernel's input axis).
@@ -211,10 +213,11 @@ class QuantizedArray(_engine.ArrayValue, metaclass=_engine.FastPytreeMeta):
 
         **Arguments:**
 
-        - `data`: the tensor's bytes as `gguf.GGUFReader` gives them, a `uint8` array
-          `(*rows, bytes_per_row)` (numpy order: an `(out, in)` weight or a
-          `(vocab, dim)` embedding, blocks along the last axis).
-        - `qtype`: `"q4_0"`, `"q4_1"` or `"q8_0"`.
+        - `data`: the tensor's bytes as `gguf.GGUFReader` (or [`lorax.load_gguf`][])
+          lays them out, a `uint8` array `(*rows, bytes_per_row)` (numpy order: an
+          `(out, in)` weight or a `(vocab, dim)` embedding, blocks along the last axis).
+        - `qtype`: a GGUF block type: `"q4_0"`, `"q4_1"`, `"q5_0"`, `"q5_1"`, `"q8_0"`
+          (blocks of 32), `"q2_k"`, `"q3_k"`, `"q4_k"`, `"q5_k"`, `"q6_k"` (256).
         - `transpose`: `True` gives the `(in, out)` kernel `x @ W` expects (block axis
           `-2`); `False` keeps GGUF's `(out, in)` order (block axis `-1`), as an
           embedding table wants. Both are the same bytes.
@@ -223,28 +226,43 @@ class QuantizedArray(_engine.ArrayValue, metaclass=_engine.FastPytreeMeta):
         **Returns:**
 
         A `QuantizedArray` whose `dequantize()` equals `gguf.quants.dequantize(data)`
-        (transposed if `transpose`).
+        (transposed if `transpose`) bit for bit, and whose `nbytes` is `data.nbytes`.
+
+        !!! Example
+
+            ```python
+            import numpy as np
+            import lorax
+
+            # Two rows of one Q4_0 block each: float16 d = 1.0, then 16 bytes of nibbles.
+            block = np.concatenate([np.float16(1.0).reshape(1).view(np.uint8),
+                                    np.full(16, 0x98, np.uint8)])
+            q = lorax.QuantizedArray.from_gguf(np.stack([block, block]), "q4_0", transpose=False)
+            assert q.shape == (2, 32) and q.nbytes == 36
+            assert (q.dequantize()[:, :16] == 0.0).all() and (q.dequantize()[:, 16:] == 1.0).all()
+            ```
         """
         fmt = F.get_format(qtype)
-        if not fmt.fixed_block:
-            raise ValueError(f"from_gguf: {qtype!r} is not a GGUF block type (q4_0, q4_1, q8_0).")
+        rec = fmt.record
+        if rec is None:
+            gguf_types = ", ".join(n for n, f in F.FORMATS.items() if f.record is not None)
+            raise ValueError(f"from_gguf: {qtype!r} is not a GGUF block type ({gguf_types}).")
         data = np.asarray(data)
-        scale_bytes = 4 if fmt.has_mins else 2
-        record = scale_bytes + fmt.code_bytes(32)
-        if data.dtype != np.uint8 or data.ndim < 2 or data.shape[-1] % record:
+        if data.dtype != np.uint8 or data.ndim < 2 or data.shape[-1] % rec.size:
             raise ValueError(
-                f"from_gguf: expected uint8 bytes (*rows, n * {record}) for {qtype}, got "
+                f"from_gguf: expected uint8 bytes (*rows, n * {rec.size}) for {qtype}, got "
                 f"{data.dtype} {data.shape}.")
-        blocks = data.reshape(*data.shape[:-1], data.shape[-1] // record, record)
-        scales = np.ascontiguousarray(blocks[..., :2]).view(np.float16)[..., 0]
-        mins = (np.ascontiguousarray(blocks[..., 2:4]).view(np.float16)[..., 0]
-                if fmt.has_mins else None)
-        codes = np.ascontiguousarray(blocks[..., scale_bytes:])
+        blocks = data.reshape(*data.shape[:-1], data.shape[-1] // rec.size, rec.size)
+
+        def f16(at: int) -> np.ndarray:
+            return np.ascontiguousarray(blocks[..., at:at + 2]).view(np.float16)[..., 0]
+
+        codes = np.ascontiguousarray(blocks[..., rec.codes:rec.codes + fmt.code_bytes(fmt.block_size)])
         if fmt.bits == 8:
             codes = codes.view(np.int8)
-        return cls(jnp.asarray(codes), jnp.asarray(scales),
-                   None if mins is None else jnp.asarray(mins), qtype=qtype, block_size=32,
-                   axis=-2 if transpose else -1, dense_dtype=dtype)
+        mins = None if rec.m is None else jnp.asarray(f16(rec.m))
+        return cls(jnp.asarray(codes), jnp.asarray(f16(rec.d)), mins, qtype=qtype,
+                   block_size=fmt.block_size, axis=-2 if transpose else -1, dense_dtype=dtype)
 
 
 def resolve_block_size(fmt: F.Format, k: int, block_size: int | None) -> int:
@@ -256,6 +274,12 @@ def resolve_block_size(fmt: F.Format, k: int, block_size: int | None) -> int:
 def check_quantizable(fmt: F.Format, shape: tuple[int, ...], dtype: Any, axis: int,
                       block_size: int | None, double_quant: bool, where: str) -> None:
     """Raise a `ValueError` naming `where` if the array cannot be quantized as asked."""
+    if fmt.quantize is None:
+        quantizable = ", ".join(n for n, f in F.FORMATS.items() if f.quantize is not None)
+        raise ValueError(
+            f"quantize: lorax has no {fmt.name} quantizer (for {where}); the K-quants come "
+            f"from GGUF files as they are (QuantizedArray.from_gguf, lorax.load_gguf). "
+            f"Quantizable types: {quantizable}.")
     if not jnp.issubdtype(dtype, jnp.floating):
         raise ValueError(f"quantize: {where} has dtype {dtype}; only floating-point "
                          "arrays can be quantized.")

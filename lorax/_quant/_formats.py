@@ -10,11 +10,24 @@ a weight whose other axes are `other`:
 - `scales`: `(*other, n_blocks)`, one per block (`float16` for GGUF's types, as on
   disk, `float32` otherwise; `uint8` codes when NF4's absmax values are
   double-quantized, with `scale_scales` / `scale_offset` beside them);
-- `mins`: `(*other, n_blocks)`, Q4_1's per-block offset (`None` elsewhere).
+- `mins`: `(*other, n_blocks)`, the per-block offset of Q4_1 / Q5_1 (`dmin` of the
+  K-quants Q2_K, Q4_K, Q5_K; `None` elsewhere).
 
-Dequantization is `value(code) * scale (+ min)`, computed in float32. The GGUF types
-reproduce `gguf.quants` (ggml's reference quantizer) bit for bit; see
-`../shared/reference/formats.md` in the lorax repository for the byte layouts.
+Dequantization is `value(code) * scale (+ min)`, computed in float32. Two GGUF families
+store more than one code per value and byte:
+
+- Q5_0 / Q5_1 (blocks of 32): `codes` are the block's 20 bytes after its scale (and
+  min), `qh` (the 32 fifth bits) then `qs` (nibbles, as Q4_0's);
+- the K-quants Q2_K .. Q6_K (super-blocks of 256): `codes` are every byte of a block
+  but its float16 `d` (and `dmin`), in file order (sub-block scales, high bits, low
+  bits); `decode` turns them into values, sub-block scales included.
+
+So a GGUF tensor's bytes split into `codes` / `scales` / `mins` without changing a byte,
+and `nbytes` is the size on disk. The GGUF types reproduce `gguf.quants` (ggml's
+reference code) bit for bit, in the same float32 operations (the products of a float16
+scale and small integer codes are exact; Q6_K's three-way product is rounded as
+gguf-py rounds it, `(d * scale) * q`). Byte layouts: llama.cpp's `ggml-common.h`,
+gguf-py's `quants.py`.
 """
 
 from __future__ import annotations
@@ -53,10 +66,19 @@ class Format:
     - `packing`: for 4-bit codes, how a block's codes share bytes: `"halves"` (GGUF:
       byte `j` holds code `j` in its low nibble and code `j + block/2` in its high one)
       or `"pairs"` (bitsandbytes: byte `j` holds codes `2j` (high) and `2j + 1` (low)).
+      `"q5"` is Q5_0 / Q5_1's: 4 bytes of fifth bits, then nibbles as `"halves"`;
+      `"k"`: a K-quant super-block, read by `decode`.
     - `scale_dtype`: the dtype scales (and mins) are stored in.
     - `quantize`: `blocks (..., n_blocks, block) f32 -> (codes, scales, mins)` with
-      codes unpacked (`uint8` in `[0, 15]` for 4-bit, `int8` for 8-bit).
-    - `value`: `(codes as f32, scales f32, mins f32 or None) -> values f32`.
+      codes unpacked (`uint8` in `[0, 2**bits)` for packed codes, `int8` for 8-bit);
+      `None` when lorax has no quantizer for the type (the K-quants: wrap GGUF blocks).
+    - `value`: `(codes as f32, scales f32, mins f32 or None) -> values f32`, for
+      formats with one code per value (`None` for the K-quants).
+    - `has_mins`: the format stores `mins`.
+    - `decode`: `(codes uint8 (..., n_blocks, code_bytes), scales f32, mins f32 or None)
+      -> values (..., n_blocks, block)` for the K-quants, whose codes are read together
+      with per-sub-block scales.
+    - `record`: where `d`, `m` and the codes sit in one GGUF block (GGUF types only).
     """
 
     name: str
@@ -65,19 +87,36 @@ class Format:
     bits: int
     packing: str | None
     scale_dtype: Any
-    quantize: Callable[[Array], tuple[Array, Array, Array | None]]
-    value: Callable[[Array, Array, Array | None], Array]
-
-    @property
-    def has_mins(self) -> bool:
-        return self.name == "q4_1"
+    quantize: Callable[[Array], tuple[Array, Array, Array | None]] | None
+    value: Callable[[Array, Array, Array | None], Array] | None
+    has_mins: bool = False
+    decode: Callable[[Array, Array, Array | None], Array] | None = None
+    record: "Record | None" = None
 
     def code_bytes(self, block_size: int) -> int:
+        if self.record is not None and self.packing in ("q5", "k"):
+            return self.record.code_bytes
         return block_size // 2 if self.bits == 4 else block_size
 
     @property
     def code_dtype(self) -> Any:
-        return jnp.uint8 if self.bits == 4 else jnp.int8
+        return jnp.int8 if self.bits == 8 else jnp.uint8
+
+
+@dataclasses.dataclass(frozen=True)
+class Record:
+    """One GGUF block's bytes: `size` in all; the float16 `d` at byte `d`, the float16
+    `m` (min / dmin) at byte `m` (or `None`), then `code_bytes` bytes of codes from
+    byte `codes`. Every format here keeps its codes contiguous."""
+
+    size: int
+    d: int
+    m: int | None
+    codes: int
+
+    @property
+    def code_bytes(self) -> int:
+        return self.size - 2 - (0 if self.m is None else 2)
 
 
 def _safe_inverse(d: Array) -> Array:
@@ -141,6 +180,21 @@ def _q_q8_0(blocks: Array) -> tuple[Array, Array, None]:
     return q.astype(jnp.int8), d, None
 
 
+def _q_q5_0(blocks: Array) -> tuple[Array, Array, None]:
+    # As Q4_0, on 32 levels: d = (the value of largest magnitude, with its sign) / -16.
+    i = jnp.argmax(jnp.abs(blocks), axis=-1)[..., None]
+    d = jnp.take_along_axis(blocks, i, axis=-1)[..., 0] / -16.0
+    q = jnp.clip(jnp.trunc(blocks * _safe_inverse(d)[..., None] + 16.5), 0, 31)
+    return q.astype(jnp.uint8), d, None
+
+
+def _q_q5_1(blocks: Array) -> tuple[Array, Array, Array]:
+    hi, lo = jnp.max(blocks, axis=-1), jnp.min(blocks, axis=-1)
+    d = (hi - lo) / 31.0
+    q = jnp.clip(jnp.trunc((blocks - lo[..., None]) * _safe_inverse(d)[..., None] + 0.5), 0, 31)
+    return q.astype(jnp.uint8), d, lo
+
+
 def _v_scaled(q: Array, d: Array, m: Array | None) -> Array:
     return q * d[..., None]
 
@@ -161,15 +215,115 @@ def _v_q4_1(q: Array, d: Array, m: Array | None) -> Array:
     return q * d[..., None] + m[..., None]
 
 
+def _v_offset16(q: Array, d: Array, m: Array | None) -> Array:
+    return (q - 16.0) * d[..., None]
+
+
+# -- K-quant super-blocks: codes (..., n_blocks, code_bytes) uint8 -> values ---------------
+# Each follows gguf-py's `dequantize_blocks` step for step (same reshapes, same float32
+# products), so the results agree bit for bit.
+
+
+def _shifts(*s: int) -> np.ndarray:
+    return np.array(s, np.uint8).reshape(-1, 1)
+
+
+def _rows(x: Array, *shape: int) -> Array:
+    """`x (..., n_blocks, bytes)` regrouped as `(..., n_blocks, *shape)`."""
+    return x.reshape(*x.shape[:-1], *shape)
+
+
+def _flat(x: Array) -> Array:
+    """`(..., a, b)` -> `(..., a * b)`."""
+    return x.reshape(*x.shape[:-2], -1)
+
+
+def _bits(x: Array, groups: int, shifts: np.ndarray, mask: int, rows: int, cols: int) -> Array:
+    """Fields `(x >> shift) & mask` of `x`'s bytes in `groups` runs, as `(..., rows, cols)`."""
+    f = (_rows(x, groups, 1, x.shape[-1] // groups) >> shifts) & np.uint8(mask)
+    return _rows(f.reshape(*f.shape[:-3], -1), rows, cols)
+
+
+def _scale_min_k4(sc: Array) -> tuple[Array, Array]:
+    """Q4_K / Q5_K's 12 bytes -> 8 six-bit scales and 8 six-bit mins (`get_scale_min_k4`)."""
+    d, m, md = sc[..., 0:4], sc[..., 4:8], sc[..., 8:12]
+    scale = jnp.concatenate([d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)], axis=-1)
+    mn = jnp.concatenate([m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)], axis=-1)
+    return scale.astype(jnp.float32), mn.astype(jnp.float32)
+
+
+def _k_q2_k(codes: Array, d: Array, m: Array | None) -> Array:
+    sc, qs = codes[..., :16], codes[..., 16:80]
+    dl = (d[..., None] * (sc & 0x0F).astype(jnp.float32))[..., None]
+    ml = (m[..., None] * (sc >> 4).astype(jnp.float32))[..., None]
+    q = _bits(qs, 2, _shifts(0, 2, 4, 6), 3, 16, 16).astype(jnp.float32)
+    return _flat(dl * q - ml)
+
+
+def _k_q3_k(codes: Array, d: Array, m: Array | None) -> Array:
+    hmask, qs, sc = codes[..., :32], codes[..., 32:96], codes[..., 96:108]
+    lo = _bits(sc[..., :8], 1, _shifts(0, 4), 0x0F, 1, 16)[..., 0, :]
+    hi = _bits(sc[..., 8:], 1, _shifts(0, 2, 4, 6), 0x03, 1, 16)[..., 0, :]
+    scale = ((lo | (hi << 4)).astype(jnp.int8) - jnp.int8(32)).astype(jnp.float32)
+    dl = (d[..., None] * scale)[..., None]
+    ql = _bits(qs, 2, _shifts(0, 2, 4, 6), 3, 16, 16)
+    # A set high bit means no offset; a clear one, -4.
+    qh = _bits(hmask, 1, _shifts(*range(8)), 1, 16, 16) ^ np.uint8(1)
+    q = (ql.astype(jnp.int8) - (qh << 2).astype(jnp.int8)).astype(jnp.float32)
+    return _flat(dl * q)
+
+
+def _k_q45_k(codes: Array, d: Array, m: Array | None, qh: Array | None) -> Array:
+    scale, mn = _scale_min_k4(codes[..., :12])
+    dl = (d[..., None] * scale)[..., None]
+    ml = (m[..., None] * mn)[..., None]
+    q = _bits(codes[..., -128:], 4, _shifts(0, 4), 0x0F, 8, 32)
+    if qh is not None:
+        q = q | (_bits(qh, 1, _shifts(*range(8)), 1, 8, 32) << 4)
+    return _flat(dl * q.astype(jnp.float32) - ml)
+
+
+def _k_q4_k(codes: Array, d: Array, m: Array | None) -> Array:
+    return _k_q45_k(codes, d, m, None)
+
+
+def _k_q5_k(codes: Array, d: Array, m: Array | None) -> Array:
+    return _k_q45_k(codes, d, m, codes[..., 12:44])
+
+
+def _k_q6_k(codes: Array, d: Array, m: Array | None) -> Array:
+    ql, qh, sc = codes[..., :128], codes[..., 128:192], codes[..., 192:208]
+    scale = lax.bitcast_convert_type(sc, jnp.int8).astype(jnp.float32)
+    dl = (d[..., None] * scale)[..., None]
+    lo = _bits(ql, 2, _shifts(0, 4), 0x0F, 8, 32)
+    hi = _bits(qh, 2, _shifts(0, 2, 4, 6), 0x03, 8, 32)
+    q = ((lo | (hi << 4)).astype(jnp.int8) - jnp.int8(32)).astype(jnp.float32)
+    return _flat(dl * q.reshape(*q.shape[:-2], 16, 16))
+
+
+def _gguf(name: str, block: int, bits: int, packing: str | None, quantize: Any, value: Any,
+          record: Record, decode: Any = None) -> Format:
+    return Format(name, block, True, bits, packing, jnp.float16, quantize, value,
+                  has_mins=record.m is not None, decode=decode, record=record)
+
+
 FORMATS: dict[str, Format] = {
     f.name: f
     for f in (
         Format("int8", None, False, 8, None, jnp.float32, _q_int8, _v_scaled),
         Format("int4", 32, False, 4, "pairs", jnp.float32, _q_int4, _v_offset8),
         Format("nf4", 64, False, 4, "pairs", jnp.float32, _q_nf4, _v_nf4),
-        Format("q4_0", 32, True, 4, "halves", jnp.float16, _q_q4_0, _v_offset8),
-        Format("q4_1", 32, True, 4, "halves", jnp.float16, _q_q4_1, _v_q4_1),
-        Format("q8_0", 32, True, 8, None, jnp.float16, _q_q8_0, _v_scaled),
+        # GGUF's types. Record(size, d at, m at, codes from): bytes per block as on disk.
+        _gguf("q4_0", 32, 4, "halves", _q_q4_0, _v_offset8, Record(18, 0, None, 2)),
+        _gguf("q4_1", 32, 4, "halves", _q_q4_1, _v_q4_1, Record(20, 0, 2, 4)),
+        _gguf("q5_0", 32, 5, "q5", _q_q5_0, _v_offset16, Record(22, 0, None, 2)),
+        _gguf("q5_1", 32, 5, "q5", _q_q5_1, _v_q4_1, Record(24, 0, 2, 4)),
+        _gguf("q8_0", 32, 8, None, _q_q8_0, _v_scaled, Record(34, 0, None, 2)),
+        _gguf("q2_k", 256, 2, "k", None, None, Record(84, 80, 82, 0), _k_q2_k),
+        _gguf("q3_k", 256, 3, "k", None, None, Record(110, 108, None, 0), _k_q3_k),
+        _gguf("q4_k", 256, 4, "k", None, None, Record(144, 0, 2, 4), _k_q4_k),
+        _gguf("q5_k", 256, 5, "k", None, None, Record(176, 0, 2, 4), _k_q5_k),
+        _gguf("q6_k", 256, 6, "k", None, None, Record(210, 208, None, 0), _k_q6_k),
     )
 }
 
@@ -189,6 +343,10 @@ def pack(fmt: Format, q: Array) -> Array:
         return q
     q = q.astype(jnp.uint8)
     half = q.shape[-1] // 2
+    if fmt.packing == "q5":  # qh: bit i of the little-endian u32 = the fifth bit of code i
+        fifth = _rows((q >> 4) & 1, q.shape[-1] // 8, 8) << np.arange(8, dtype=np.uint8)
+        qh = jnp.sum(fifth, axis=-1, dtype=jnp.uint8)
+        return jnp.concatenate([qh, (q[..., :half] & 0x0F) | (q[..., half:] << 4)], axis=-1)
     if fmt.packing == "halves":
         return q[..., :half] | (q[..., half:] << 4)
     pairs = q.reshape(*q.shape[:-1], half, 2)
@@ -199,6 +357,10 @@ def unpack(fmt: Format, codes: Array) -> Array:
     """Stored codes `(..., code_bytes)` -> float32 codes `(..., block)`."""
     if fmt.bits == 8:
         return codes.astype(jnp.float32)
+    if fmt.packing == "q5":
+        qh, qs = codes[..., :4], codes[..., 4:]
+        fifth = ((qh[..., None] >> np.arange(8, dtype=np.uint8)) & 1).reshape(*qh.shape[:-1], 32)
+        return (jnp.concatenate([qs & 0x0F, qs >> 4], axis=-1) | (fifth << 4)).astype(jnp.float32)
     lo = (codes & 0xF).astype(jnp.float32)
     hi = (codes >> 4).astype(jnp.float32)
     if fmt.packing == "halves":
@@ -241,8 +403,40 @@ def double_dequantize(codes: Array, scales: Array, offset: Array) -> Array:
     return (values.reshape(*lead, -1)[..., :n] + offset).reshape(*lead, *tail)
 
 
+def decode_blocks(fmt: Format, codes: Array, scales: Array, mins: Array | None) -> Array:
+    """`(..., n_blocks, code_bytes)` codes -> float32 values `(..., n_blocks, block)`."""
+    scales = scales.astype(jnp.float32)
+    mins = None if mins is None else mins.astype(jnp.float32)
+    if fmt.decode is not None:
+        return fmt.decode(codes, scales, mins)
+    return fmt.value(unpack(fmt, codes), scales, mins)
+
+
 def dequantize_blocks(fmt: Format, codes: Array, scales: Array, mins: Array | None) -> Array:
     """`(*other, n_blocks, code_bytes)` codes -> float32 values `(*other, n_blocks * block)`."""
-    q = unpack(fmt, codes)
-    v = fmt.value(q, scales.astype(jnp.float32), None if mins is None else mins.astype(jnp.float32))
+    v = decode_blocks(fmt, codes, scales, mins)
     return lax.collapse(v, v.ndim - 2)
+
+
+def value_at(fmt: Format, codes: Array, scales: Array, mins: Array | None, pos: Array,
+             block_size: int) -> Array:
+    """The value at position `pos` of one block per row: `codes (..., code_bytes)`,
+    `scales` / `mins` `(...)` -> float32 `(...)`."""
+    if fmt.packing in ("q5", "k"):  # codes shared across the block: decode it, pick one
+        v = decode_blocks(fmt, codes[..., None, :], scales[..., None],
+                          None if mins is None else mins[..., None])[..., 0, :]
+        return lax.dynamic_index_in_dim(v, pos, v.ndim - 1, keepdims=False)
+    q = _code_at(fmt, codes, pos, block_size)[..., None]
+    return fmt.value(q, scales.astype(jnp.float32),
+                     None if mins is None else mins.astype(jnp.float32))[..., 0]
+
+
+def _code_at(fmt: Format, codes: Array, pos: Array, block_size: int) -> Array:
+    if fmt.bits == 8:
+        return lax.dynamic_index_in_dim(codes, pos, codes.ndim - 1, keepdims=False).astype(jnp.float32)
+    if fmt.packing == "halves":
+        byte, high = pos % (block_size // 2), pos >= block_size // 2
+    else:
+        byte, high = pos // 2, pos % 2 == 0
+    b = lax.dynamic_index_in_dim(codes, byte, codes.ndim - 1, keepdims=False)
+    return jnp.where(high, b >> 4, b & 0xF).astype(jnp.float32)

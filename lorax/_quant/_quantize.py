@@ -63,8 +63,9 @@ def quantize(
     - `spec`: a spec tree with `params`' structure (see [`lorax.simple_spec`][]).
     - `qtype`: `"int8"` (symmetric, one scale per output channel), `"int4"`
       (symmetric, blocks of 32), `"nf4"` (QLoRA's NormalFloat4, absmax per block of
-      64), or GGUF's `"q4_0"`, `"q4_1"`, `"q8_0"` (blocks of 32, as llama.cpp's
-      reference quantizer writes them).
+      64), or GGUF's `"q4_0"`, `"q4_1"`, `"q5_0"`, `"q5_1"`, `"q8_0"` (blocks of 32,
+      as llama.cpp's reference quantizer writes them). GGUF's K-quants (`"q2_k"` ..
+      `"q6_k"`) are read from files ([`lorax.load_gguf`][]), not quantized here.
     - `block_size`: values per block (not for the GGUF types, whose blocks are 32).
     - `dtype`: the dtype the weights dequantize to (default: each leaf's own).
     - `double_quant`: NF4 only: also quantize the per-block absmax values (8 bits per
@@ -101,6 +102,8 @@ def quantize(
         ```
     """
     fmt = F.get_format(qtype)
+    if fmt.quantize is None:  # otherwise every frozen leaf would quietly stay dense
+        check_quantizable(fmt, (1, 1), jnp.float32, -2, None, False, "every weight")
     check_spec_structure(spec, params, "quantize", is_leaf)
     leaves, treedef = jax.tree_util.tree_flatten_with_path(params, is_leaf=is_leaf)
     spec_leaves = treedef.flatten_up_to(spec)

@@ -330,22 +330,9 @@ def _lookup_one(qa: QuantizedArray, start_index_map: Sequence[int], idx: Array) 
                                 None if mins is None else mins.astype(jnp.float32))
         storage_order = [d for d in kept if d != block] + [block]
         v = arrange(v, storage_order, kept)
-    else:  # one code per remaining row: pick its byte and nibble
-        v = fmt.value(_code_at(fmt, codes, pos, qa.block_size)[..., None],
-                      scales.astype(jnp.float32),
-                      None if mins is None else mins.astype(jnp.float32))[..., 0]
+    else:  # one value per remaining row: its code (or, for shared codes, its block)
+        v = F.value_at(fmt, codes, scales, mins, pos, qa.block_size)
     return v.astype(qa.dense_dtype)
-
-
-def _code_at(fmt: F.Format, codes: Array, pos: Array, block_size: int) -> Array:
-    if fmt.bits == 8:
-        return lax.dynamic_index_in_dim(codes, pos, codes.ndim - 1, keepdims=False).astype(jnp.float32)
-    if fmt.packing == "halves":
-        byte, high = pos % (block_size // 2), pos >= block_size // 2
-    else:
-        byte, high = pos // 2, pos % 2 == 0
-    b = lax.dynamic_index_in_dim(codes, byte, codes.ndim - 1, keepdims=False)
-    return jnp.where(high, b >> 4, b & 0xF).astype(jnp.float32)
 
 
 def quantized_lookup(qa: QuantizedArray, indices: Array, dn: lax.GatherDimensionNumbers,
