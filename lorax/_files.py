@@ -13,7 +13,8 @@ from __future__ import annotations
 import json
 import math
 import os
-from typing import Any
+import struct
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -97,40 +98,191 @@ def _is_kind(value: Any, kind: str) -> bool:
     return _KINDS[kind][1](value)
 
 
-class GGUFHeader:
-    """What lorax reads of a GGUF file: its metadata values and tensors' ggml shapes and
-    types, read through gguf-py and checked (see `read_gguf_header`)."""
+# -- GGUF containers (llama.cpp's model files) ----------------------------------------------
+#
+# Little-endian: "GGUF", version (u32, 2 or 3), tensor count (u64), metadata count (u64);
+# metadata: key (u64 length + UTF-8), value type (u32), value (scalars, strings, arrays of
+# either: u32 element type, u64 count, elements); tensor infos: name, number of dims (u32),
+# dims (u64 each, ggml order: the row length first), ggml type (u32), offset (u64) from the
+# data section, which starts at the next multiple of `general.alignment` (32). Parsed here
+# rather than through gguf-py so that every lie in a stranger's header is a `ValueError`
+# naming the file and field, nothing is allocated beyond the file, and reading needs no
+# optional package.
 
-    def __init__(self, path: str, metadata: dict[str, Any], tensors: dict[str, tuple]):
+# ggml's tensor types (`enum ggml_type`), by id: (name, values per block, bytes per block).
+GGML_TYPES: dict[int, tuple[str, int, int]] = {
+    0: ("F32", 1, 4), 1: ("F16", 1, 2), 2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20),
+    6: ("Q5_0", 32, 22), 7: ("Q5_1", 32, 24), 8: ("Q8_0", 32, 34), 9: ("Q8_1", 32, 40),
+    10: ("Q2_K", 256, 84), 11: ("Q3_K", 256, 110), 12: ("Q4_K", 256, 144),
+    13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210), 15: ("Q8_K", 256, 292),
+    16: ("IQ2_XXS", 256, 66), 17: ("IQ2_XS", 256, 74), 18: ("IQ3_XXS", 256, 98),
+    19: ("IQ1_S", 256, 50), 20: ("IQ4_NL", 32, 18), 21: ("IQ3_S", 256, 110),
+    22: ("IQ2_S", 256, 82), 23: ("IQ4_XS", 256, 136), 24: ("I8", 1, 1), 25: ("I16", 1, 2),
+    26: ("I32", 1, 4), 27: ("I64", 1, 8), 28: ("F64", 1, 8), 29: ("IQ1_M", 256, 56),
+    30: ("BF16", 1, 2), 34: ("TQ1_0", 256, 54), 35: ("TQ2_0", 256, 66),
+    39: ("MXFP4", 32, 17), 40: ("NVFP4", 64, 36), 41: ("Q1_0", 128, 18),
+}
+# Metadata value types (`enum gguf_type`): struct code, or the two variable-length ones.
+_GGUF_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?",
+                 10: "<Q", 11: "<q", 12: "<d"}
+_GGUF_STRING, _GGUF_ARRAY = 8, 9
+
+
+class GGUFTensor(NamedTuple):
+    """One tensor's entry: ggml `dims` (row length first), ggml `type` name, and where its
+    bytes are (`start`, `nbytes`, checked to lie in the file)."""
+
+    dims: tuple[int, ...]
+    type: str
+    start: int
+    nbytes: int
+
+
+class GGUFHeader:
+    """A GGUF file's metadata and tensor entries (see `read_gguf_header`); `buf` is the
+    file's read-only memory map."""
+
+    def __init__(self, path: str, metadata: dict[str, Any], tensors: dict[str, GGUFTensor],
+                 buf: np.ndarray):
         self.path = path
-        self.metadata = metadata  # key -> value (str, number, bool or list)
-        self.tensors = tensors    # name -> (ggml shape, type name, the reader's tensor)
+        self.metadata = metadata  # key -> value (str, number, bool, list or numpy array)
+        self.tensors = tensors
+        self.buf = buf
 
     def value(self, key: str, kind: str, who: str) -> Any:
         """A metadata value, checked (`field`'s kinds), or a `ValueError` naming file and key."""
         return field(self.metadata, key, kind, who, f"GGUF {self.path!r}")
 
+    def raw(self, name: str) -> np.ndarray:
+        """A tensor's bytes: a `uint8` view of the memory map."""
+        t = self.tensors[name]
+        return self.buf[t.start:t.start + t.nbytes]
+
+
+class _Cursor:
+    """Reads a header, naming the file, the caller and the field when the bytes run out."""
+
+    def __init__(self, buf: np.ndarray, path: str, who: str):
+        self.buf, self.path, self.who, self.pos, self.what = buf, path, who, 0, "the header"
+
+    def fail(self, message: str) -> ValueError:
+        return ValueError(f"{self.who}: GGUF {self.path!r}: {message}")
+
+    def _need(self, n: int) -> None:
+        if self.pos + n > len(self.buf):
+            raise self.fail(f"the file ends at byte {len(self.buf)}, inside {self.what} "
+                            f"(byte {self.pos} + {n}): it is truncated or not a GGUF file.")
+
+    def scalar(self, code: str) -> Any:
+        n = struct.calcsize(code)
+        self._need(n)
+        (v,) = struct.unpack_from(code, self.buf, self.pos)
+        self.pos += n
+        return v
+
+    def string(self) -> str | bytes:
+        n = self.scalar("<Q")
+        self._need(n)
+        raw = self.buf[self.pos:self.pos + n].tobytes()
+        self.pos += n
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError:
+            return raw  # kept as the bytes it is (a vocabulary's odd token)
+
+    def value(self, vtype: int) -> Any:
+        if vtype in _GGUF_SCALARS:
+            return self.scalar(_GGUF_SCALARS[vtype])
+        if vtype == _GGUF_STRING:
+            return self.string()
+        if vtype != _GGUF_ARRAY:
+            raise self.fail(f"{self.what} has an unknown value type {vtype}.")
+        etype, count = self.scalar("<I"), self.scalar("<Q")
+        if etype in _GGUF_SCALARS and etype != 7:  # numbers: one numpy array
+            dtype = np.dtype(_GGUF_SCALARS[etype])
+            self._need(count * dtype.itemsize)
+            out = np.frombuffer(self.buf, dtype, count, self.pos).copy()
+            self.pos += count * dtype.itemsize
+            return out
+        # Every element takes at least one byte, so a lying count runs out of file.
+        return [self.value(etype) for _ in range(count)]
+
+
+def _gguf_entries(cur: _Cursor) -> tuple[dict[str, Any], list[tuple[str, tuple, int, int]]]:
+    if cur.buf[:4].tobytes() != b"GGUF":
+        raise cur.fail("not a GGUF file (it does not start with 'GGUF').")
+    cur.pos = 4
+    version = cur.scalar("<I")
+    if version & 0xFFFF == 0:
+        raise cur.fail("a big-endian GGUF file; only little-endian ones are read.")
+    if version not in (2, 3):
+        raise cur.fail(f"GGUF version {version}; versions 2 and 3 are read.")
+    n_tensors, n_kv = cur.scalar("<Q"), cur.scalar("<Q")
+    metadata: dict[str, Any] = {}
+    for i in range(n_kv):
+        cur.what = f"metadata entry {i}"
+        key = cur.string()
+        cur.what = f"metadata {key!r}"
+        metadata[key] = cur.value(cur.scalar("<I"))
+    infos = []
+    for i in range(n_tensors):
+        cur.what = f"tensor info {i}"
+        name = cur.string()
+        cur.what = f"the info of tensor {name!r}"
+        dims = tuple(cur.scalar("<Q") for _ in range(cur.scalar("<I")))
+        infos.append((name, dims, cur.scalar("<I"), cur.scalar("<Q")))
+    return metadata, infos
+
+
+def _gguf_tensor_bytes(cur: _Cursor, name: str, dims: tuple[int, ...], type_id: int) -> int:
+    if type_id not in GGML_TYPES:
+        raise cur.fail(f"tensor {name!r} has ggml type id {type_id}, which is not a known "
+                       "ggml type.")
+    type_name, block, size = GGML_TYPES[type_id]
+    if not dims or dims[0] % block:
+        raise cur.fail(
+            f"tensor {name!r} ({type_name}, ggml dims {list(dims)}) has rows of "
+            f"{dims[0] if dims else 0} values, not a whole number of {type_name} blocks of "
+            f"{block}: its byte count does not match its shape.")
+    return math.prod(dims) // block * size
+
+
+def _check_extents(cur: _Cursor, tensors: dict[str, GGUFTensor]) -> None:
+    """Every tensor's bytes lie in the file and end before the next tensor's begin."""
+    spans = sorted((t.start, t.nbytes, name, f"{t.type}, ggml dims {list(t.dims)}")
+                   for name, t in tensors.items())
+    for i, (start, n, name, desc) in enumerate(spans):
+        if start + n > len(cur.buf):
+            raise cur.fail(f"tensor {name!r} ({desc}) needs bytes {start} to {start + n}, but "
+                           f"the file ends at byte {len(cur.buf)}: the file is truncated.")
+        if i + 1 < len(spans) and start + n > spans[i + 1][0]:
+            raise cur.fail(
+                f"tensor {name!r} ({desc}) needs {n} bytes from byte {start}, but tensor "
+                f"{spans[i + 1][2]!r} starts at byte {spans[i + 1][0]}: its byte count "
+                "does not match its shape.")
+
 
 def read_gguf_header(path: str | os.PathLike, who: str) -> GGUFHeader:
-    """A GGUF file's header through gguf-py, with every failure of a damaged or lying
-    file (truncation, offsets past the end, unknown types, byte counts that do not fit a
-    tensor's shape) a `ValueError` naming the file (and the tensor)."""
-    import gguf
-
+    """A GGUF file's metadata and tensor entries, memory-mapped and checked: a file
+    that is not GGUF or ends early, unknown value or tensor types, rows that are not
+    whole blocks, tensors past the end or overlapping the next are each a `ValueError`
+    naming `who`, the file and the field (or tensor)."""
     path = os.fspath(path)
     try:
-        reader = gguf.GGUFReader(path)
-        metadata = {name: f.contents() for name, f in reader.fields.items()}
-        tensors = {}
-        for t in reader.tensors:
-            shape = tuple(int(n) for n in t.shape)
-            block, type_bytes = gguf.GGML_QUANT_SIZES[t.tensor_type]
-            expected = math.prod(shape) // block * type_bytes
-            if any(n < 0 for n in shape) or shape and shape[0] % block or t.data.nbytes != expected:
-                raise ValueError(f"tensor {t.name!r} has {t.data.nbytes} bytes where its shape "
-                                 f"{list(shape)} and type {t.tensor_type.name} need {expected}")
-            tensors[t.name] = (shape, t.tensor_type.name, t)
-    except Exception as err:  # gguf-py raises many kinds on damaged input  # noqa: BLE001
-        raise ValueError(f"{who}: {path!r} is not a readable GGUF file "
-                         f"({type(err).__name__}: {err}).") from None
-    return GGUFHeader(path, metadata, tensors)
+        buf = np.memmap(path, mode="r")
+    except ValueError:  # numpy cannot map an empty file
+        raise ValueError(f"{who}: GGUF {path!r} is empty, not a GGUF file.") from None
+    cur = _Cursor(buf, path, who)
+    metadata, infos = _gguf_entries(cur)
+    align = metadata.get("general.alignment", 32)
+    if not _is_int(align) or align <= 0 or align & (align - 1):
+        raise cur.fail(f"general.alignment is {align!r}, not a power of two.")
+    base = -(-cur.pos // align) * align
+    tensors = {}
+    for name, dims, type_id, offset in infos:
+        if name in tensors:
+            raise cur.fail(f"tensor {name!r} is listed twice.")
+        n = _gguf_tensor_bytes(cur, name, dims, type_id)
+        tensors[name] = GGUFTensor(dims, GGML_TYPES[type_id][0], base + offset, n)
+    _check_extents(cur, tensors)
+    return GGUFHeader(path, metadata, tensors, buf)

@@ -124,7 +124,10 @@ def save_gguf_lora(
         raise ValueError(f"save_gguf_lora: qk_rows must be 'hf' or 'gguf', not {qk_rows!r}.")
     header = read_gguf_header(base, "save_gguf_lora")
     arch = header.value("general.architecture", "str", "save_gguf_lora")
-    shapes = {name: t[0] for name, t in header.tensors.items()}  # ggml order
+    shapes = {name: t.dims for name, t in header.tensors.items()}  # ggml order
+    if not shapes:
+        raise ValueError(f"save_gguf_lora: {os.fspath(base)!r} holds no tensors; expected the "
+                         "base model's GGUF file.")
     n_block = header.value(f"{arch}.block_count", "int", "save_gguf_lora")
     try:
         arch_enum = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch)

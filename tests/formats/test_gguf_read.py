@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import lorax
-from lorax._formats import gguf_read
+from lorax import _files
 from lorax._quant import _formats as F
 from lora_testing import gguf_blocks
 
@@ -114,8 +114,10 @@ def test_transpose_gives_in_out_kernels_of_the_same_bytes(every_type):
 
 
 def test_type_tables_agree_with_gguf_py():
-    for type_id, name in gguf_read._TYPE_NAMES.items():
+    for type_id, (name, block, size) in _files.GGML_TYPES.items():
         assert G(type_id).name == name
+        assert gguf.GGML_QUANT_SIZES[G(type_id)] == (block, size)
+    assert set(_files.GGML_TYPES) == {int(t) for t in gguf.GGML_QUANT_SIZES}
     for name, fmt in F.FORMATS.items():
         if fmt.record is not None:
             assert gguf.GGML_QUANT_SIZES[G[name.upper()]] == (fmt.block_size, fmt.record.size)
@@ -128,7 +130,7 @@ def test_an_unsupported_type_names_the_tensor_type_and_the_supported_ones(tmp_pa
     iq4 = np.zeros((2, 18), np.uint8)  # IQ4_NL: 32 values in 18 bytes
     path = _write(tmp_path / "iq.gguf", [("ok.weight", np.ones(4, np.float32), None, None),
                                          ("blk.0.ffn_up.weight", iq4, G.IQ4_NL, None)])
-    with pytest.raises(ValueError, match=r"iq\.gguf: tensor 'blk\.0\.ffn_up\.weight' has type "
+    with pytest.raises(ValueError, match=r"iq\.gguf': tensor 'blk\.0\.ffn_up\.weight' has type "
                        r"IQ4_NL.*supported types: F32, F16, BF16.*Q5_0.*Q4_K, Q5_K, Q6_K"):
         lorax.load_gguf(path)
 
@@ -139,17 +141,17 @@ def test_a_truncated_file_names_the_file_and_the_tensor_cut_short(tmp_path):
     full = _write(tmp_path / "full.gguf", tensors).read_bytes()
     cut = tmp_path / "cut.gguf"
     cut.write_bytes(full[:-100])  # inside b's bytes
-    with pytest.raises(ValueError, match=r"cut\.gguf: tensor 'b\.weight' \(Q5_0.*file ends at byte "
+    with pytest.raises(ValueError, match=r"cut\.gguf': tensor 'b\.weight' \(Q5_0.*file ends at byte "
                        r".*truncated"):
         lorax.load_gguf(cut)
     cut.write_bytes(full[:40])  # inside the header
-    with pytest.raises(ValueError, match=r"cut\.gguf ends at byte 40, inside .*truncated"):
+    with pytest.raises(ValueError, match=r"cut\.gguf': the file ends at byte 40, inside .*truncated"):
         lorax.load_gguf(cut)
     cut.write_bytes(b"")
-    with pytest.raises(ValueError, match=r"cut\.gguf is empty"):
+    with pytest.raises(ValueError, match=r"cut\.gguf' is empty"):
         lorax.load_gguf(cut)
     cut.write_bytes(b"PK\x03\x04" + full[4:])
-    with pytest.raises(ValueError, match=r"cut\.gguf is not a GGUF file"):
+    with pytest.raises(ValueError, match=r"cut\.gguf': not a GGUF file"):
         lorax.load_gguf(cut)
     cut.write_bytes(full)  # the control: the whole file reads
     assert set(lorax.load_gguf(cut)[0]) == {"a.weight", "b.weight"}
@@ -160,7 +162,7 @@ def test_a_tensor_whose_bytes_do_not_match_its_shape_is_named(tmp_path):
     # The header claims 8 rows; the file holds 4 rows' bytes before the next tensor.
     path = _write(tmp_path / "short.gguf", [("a.weight", data, G.Q4_K, (8, 144)),
                                             ("b.weight", np.ones(1024, np.float32), None, None)])
-    with pytest.raises(ValueError, match=r"short\.gguf: tensor 'a\.weight' \(Q4_K, ggml dims "
+    with pytest.raises(ValueError, match=r"short\.gguf': tensor 'a\.weight' \(Q4_K, ggml dims "
                        r"\[256, 8\]\) needs 1152 bytes.*'b\.weight' starts.*does not match its shape"):
         lorax.load_gguf(path)
     # Rows that are not whole blocks: 100 values of Q4_0 (blocks of 32).
@@ -170,7 +172,7 @@ def test_a_tensor_whose_bytes_do_not_match_its_shape_is_named(tmp_path):
     at = raw.index(b"c.weight") + len(b"c.weight") + 4  # after the name and n_dims
     raw[at:at + 8] = (100).to_bytes(8, "little")  # ggml dims [96, 2] -> [100, 2]
     path.write_bytes(bytes(raw))
-    with pytest.raises(ValueError, match=r"rows\.gguf: tensor 'c\.weight' \(Q4_0, ggml dims "
+    with pytest.raises(ValueError, match=r"rows\.gguf': tensor 'c\.weight' \(Q4_0, ggml dims "
                        r"\[100, 2\]\) has rows of 100 values, not a whole number of Q4_0 blocks"):
         lorax.load_gguf(path)
 

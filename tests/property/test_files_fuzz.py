@@ -22,6 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import lorax
+from lora_testing import gguf_blocks
 
 PARAMS = {"w": np.linspace(-1, 1, 8 * 6, dtype=np.float32).reshape(8, 6),
           "bias": np.zeros(6, np.float32)}
@@ -190,6 +191,43 @@ def test_mutated_gguf_base_files(tmp_path, data):
         os.fspath(path))
 
 
+def _gguf_model(path):
+    """A small model file in the block types people download (K-quants, Q5, Q8, F16)."""
+    import gguf
+
+    G = gguf.GGMLQuantizationType
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_tensor("blk.0.attn_q.weight", gguf_blocks("q4_k", (2, 256)), raw_dtype=G.Q4_K)
+    w.add_tensor("blk.0.ffn_up.weight", gguf_blocks("q5_0", (2, 64)), raw_dtype=G.Q5_0)
+    w.add_tensor("blk.0.ffn_down.weight", gguf_blocks("q6_k", (1, 256)), raw_dtype=G.Q6_K)
+    w.add_tensor("output_norm.weight", np.ones(64, np.float16))
+    for step in (w.write_header_to_file, w.write_kv_data_to_file, w.write_tensors_to_file,
+                 w.close):
+        step()
+
+
+@settings(max_examples=THOROUGH or settings.default.max_examples, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(data=st.data())
+def test_mutated_gguf_model_files(tmp_path, data):
+    """`load_gguf` on a damaged or lying model file: a `ValueError` naming the file, or
+    tensors of the shapes the (possibly edited) header states, never a crash."""
+    pytest.importorskip("gguf")
+    valid = tmp_path / "valid.gguf"
+    if not valid.exists():
+        _gguf_model(valid)
+    path = tmp_path / "model.gguf"
+    path.write_bytes(data.draw(gguf_mutations(valid.read_bytes())))
+    try:
+        tensors, _ = lorax.load_gguf(path)
+    except ValueError as err:
+        assert os.fspath(path) in str(err), f"the error does not name the file: {err}"
+        return
+    for x in tensors.values():  # what loaded is whole: its bytes fit its shape
+        dense = np.asarray(x.dequantize() if isinstance(x, lorax.QuantizedArray) else x)
+        assert dense.shape == tuple(x.shape)
+
+
 def test_the_unmutated_files_load(valid_files, tmp_path):
     """The fuzzed files start valid: unmutated, each loads (so a mutation is what fails)."""
     (tmp_path / "adapter.safetensors").write_bytes(valid_files["adapter"])
@@ -208,3 +246,6 @@ def test_the_unmutated_files_load(valid_files, tmp_path):
     lorax.save_gguf_lora(tmp_path / "a.gguf", lp, tmp_path / "base.gguf", layout="out_in",
                          module_name=lambda p, l: "model.layers.0.mlp.down_proj")
     assert (tmp_path / "a.gguf").stat().st_size > 0
+    _gguf_model(tmp_path / "model.gguf")
+    tensors, _ = lorax.load_gguf(tmp_path / "model.gguf")
+    assert tensors["blk.0.attn_q.weight"].qtype == "q4_k"
