@@ -347,7 +347,26 @@ _uncached: contextvars.ContextVar[bool] = contextvars.ContextVar("lorax_uncached
 
 def decisions() -> Any:
     """What lorax decides while tracing that the traced program does not record."""
-    return _policy.get()
+    return _policy.get(), _mesh.get()
+
+
+# The Auto mesh the call's arrays are sharded on, read at `lora()`'s boundary: inside
+# rules the avals may no longer carry it (`custom_vjp` traces, quax's re-traced bodies).
+_mesh: contextvars.ContextVar[Any] = contextvars.ContextVar("lorax_mesh", default=None)
+
+
+def current_mesh() -> Any:
+    """The abstract Auto mesh of the current `lora()` call, or `None`."""
+    return _mesh.get()
+
+
+@contextlib.contextmanager
+def mesh_scope(mesh: Any) -> Iterator[None]:
+    token = _mesh.set(mesh)
+    try:
+        yield
+    finally:
+        _mesh.reset(token)
 
 
 @contextlib.contextmanager

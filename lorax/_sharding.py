@@ -131,8 +131,55 @@ def weight_aval(w: Any, leaves: tuple[Any, ...]) -> Any:
     varying = frozenset().union(*map(varying_axes, leaves))
     if not varying:
         return aval
-    like = jax.typeof(w)
+    # A quantized `w` is no JAX type: its shape and dtype, typed like a leaf that varies.
+    like = jax.typeof(w) if isinstance(w, (jax.Array, jax.core.Tracer)) else \
+        jax.typeof(next(x for x in leaves if varying_axes(x))).update(shape=aval.shape,
+                                                                     dtype=aval.dtype)
     return like.update(weak_type=False, manual_axis_type=like.mat.update(varying=varying))
+
+
+def auto_mesh(x: Any) -> Any:
+    """The mesh `x` is traced on if every axis of it is Auto and it spans several
+    devices, else `None` (off a mesh, in a `shard_map` body, sharding in types)."""
+    mesh = getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
+    if mesh is None or getattr(mesh, "empty", True) or mesh.size == 1:
+        return None
+    auto = getattr(jax.sharding, "AxisType", None)
+    if auto is None or any(t != auto.Auto for t in mesh.axis_types):
+        return None
+    return mesh
+
+
+def _manual(x: Any) -> bool:
+    """`x` is traced inside a `shard_map` body (its mesh has Manual axes)."""
+    mesh = getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
+    manual = getattr(getattr(jax.sharding, "AxisType", None), "Manual", None)
+    return manual is not None and any(t == manual for t in getattr(mesh, "axis_types", ()))
+
+
+def call_mesh(leaves: Any) -> Any:
+    """The first Auto mesh (abstract) among `leaves`' avals, or `None`."""
+    for x in leaves:
+        if isinstance(x, jax.Array) or isinstance(x, jax.core.Tracer):
+            mesh = auto_mesh(x)
+            if mesh is not None:
+                return getattr(mesh, "abstract_mesh", mesh)
+    return None
+
+
+def gathered(x: Any, mesh: Any) -> Any:
+    """`x`, whole on every device of `mesh` (an `auto_mesh`; `None`: `x` as it is).
+
+    A frozen quantized weight is dequantized where it is used. Left to XLA's sharding
+    propagation, an FSDP-sharded weight is dequantized shard by shard and the
+    *dequantized* float32 values are all-gathered for the dot (8x the bytes of 4-bit
+    codes); constraining the codes and scales to be whole first moves the all-gather
+    onto them. The mesh is read where the weight enters a rule and carried in, since
+    `custom_vjp` traces its body on avals without one.
+    """
+    if mesh is None or _manual(x):
+        return x
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, PartitionSpec()))
 
 
 def explicit_axes(x: Any) -> tuple[str, ...]:

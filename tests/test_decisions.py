@@ -152,7 +152,7 @@ def test_nested_jit_is_retraced_once_per_policy_not_per_call():
     assert isinstance(cache, _engine._DecisionKeyedCache)
 
     def keys():  # (finalizers of other tests' jaxprs may remove entries meanwhile)
-        return {(policy, key) for policy, entries in cache._by_decision.items()
+        return {(decision[0], key) for decision, entries in cache._by_decision.items()
                 for key in entries}
 
     start = keys()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any
 
 import equinox as eqx
@@ -10,8 +11,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import Array, lax
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from .. import _engine
+from .._sharding import weight_aval
 from . import _formats as F
 
 
@@ -129,12 +132,86 @@ class QuantizedArray(_engine.ArrayValue, metaclass=_engine.FastPytreeMeta):
                 "weights with the stack axis first: LoraSpec(batch_ndim=1)), or index the "
                 "array inside the function instead.")
         st = self.storage_shape
-        return jax.core.ShapedArray(logical_shape(st[:-1], st[-1], self.axis), self.dense_dtype)
+        dense = jax.ShapeDtypeStruct(logical_shape(st[:-1], st[-1], self.axis), self.dense_dtype)
+        # Inside a shard_map it varies over the manual axes its leaves vary over.
+        return weight_aval(dense, tuple(x for x in self.leaves() if x is not None))
 
     @property
     def nbytes(self) -> int:
         """Bytes of every leaf (codes, scales and the rest): what the weight costs."""
         return sum(x.size * jnp.dtype(x.dtype).itemsize for x in jax.tree_util.tree_leaves(self))
+
+    # -- sharding: the leaves follow the dense value's layout ---------------------------
+
+    def leaf_specs(self, spec: P) -> tuple[P | None, ...]:
+        """The `PartitionSpec` of each leaf (codes, scales, mins, scale_scales,
+        scale_offset; `None` for absent leaves) when the dense value is laid out as
+        `spec`. The block axis's mesh axes shard the blocks (`n_blocks`); a block's
+        bytes are never split; double quantization's groups keep the leading axes'."""
+        entries = tuple(spec)
+        if len(entries) > self.ndim:
+            raise ValueError(f"the spec {spec} has more entries than the weight has axes "
+                             f"({self.ndim})")
+        entries += (None,) * (self.ndim - len(entries))
+        block = self.ndim + self.axis
+        other = [e for d, e in enumerate(entries) if d != block]
+        codes, scales = P(*other, entries[block], None), P(*other, entries[block])
+        lead = P(*other[:-1], None) if self.scale_scales is not None else None
+        return codes, scales, scales if self.mins is not None else None, lead, lead
+
+    def leaves(self) -> tuple[Any, ...]:
+        """`(codes, scales, mins, scale_scales, scale_offset)`, `None` where absent."""
+        return self.codes, self.scales, self.mins, self.scale_scales, self.scale_offset
+
+    @property
+    def sharding(self) -> NamedSharding | None:
+        """The dense value's `NamedSharding`, read from the codes' (`None` if the
+        codes have none: a single device, a tracer)."""
+        sh = getattr(self.codes, "sharding", None)
+        if not isinstance(sh, NamedSharding):
+            return None
+        c = tuple(sh.spec) + (None,) * (self.codes.ndim - len(tuple(sh.spec)))
+        n_other = self.codes.ndim - 2
+        entries = list(c[:n_other])
+        entries.insert(self.ndim + self.axis, c[n_other])
+        return NamedSharding(sh.mesh, P(*entries))
+
+    def with_sharding(self, sharding: NamedSharding, where: str = "") -> "QuantizedArray":
+        """The same weight with its leaves placed as `sharding` lays out the dense value
+        (see `leaf_specs`); abstract leaves (`jax.ShapeDtypeStruct`) get the sharding
+        without anything being placed.
+
+        **Arguments:**
+
+        - `sharding`: a `NamedSharding` of the dense (logical) shape.
+        - `where`: a name for errors to start with (a parameter's key path).
+
+        **Returns:**
+
+        A `QuantizedArray` whose `sharding` is `sharding`.
+        """
+        where = f"{where}: " if where else ""
+        if not isinstance(sharding, NamedSharding):
+            raise TypeError(f"{where}a QuantizedArray is sharded by a NamedSharding, got "
+                            f"{type(sharding).__name__}.")
+        try:
+            specs = self.leaf_specs(sharding.spec)
+        except ValueError as err:
+            raise ValueError(f"{where}{err}") from None
+        n_blocks = self.storage_shape[-1] // self.block_size
+        ways = math.prod(sharding.mesh.shape[a] for a in _spec_axes(tuple(specs[0])[-2]))
+        if n_blocks % ways:
+            raise ValueError(
+                f"{where}the sharding {sharding.spec} splits the block axis (axis "
+                f"{self.axis}, {n_blocks} blocks of {self.block_size}) {ways} ways, which "
+                "does not divide the blocks: shard another axis, or choose a mesh whose "
+                "size divides the number of blocks.")
+        placed = [None if leaf is None else _place(leaf, NamedSharding(sharding.mesh, spec))
+                  for leaf, spec in zip(self.leaves(), specs)]
+        return QuantizedArray(placed[0], placed[1], placed[2], scale_scales=placed[3],
+                              scale_offset=placed[4], qtype=self.qtype,
+                              block_size=self.block_size, axis=self.axis,
+                              dense_dtype=self.dense_dtype)
 
     def dequantize_storage(self) -> Array:
         """The dense value with the block axis last (`storage_shape`), in `dense_dtype`."""
@@ -195,7 +272,8 @@ class QuantizedArray(_engine.ArrayValue, metaclass=_engine.FastPytreeMeta):
 
         **Returns:**
 
-        A `QuantizedArray` of `w`'s shape.
+        A `QuantizedArray` of `w`'s shape; if `w` is sharded (a `NamedSharding` over
+        several devices), its leaves are sharded the same way (see `with_sharding`).
         """
         fmt = F.get_format(qtype)
         shape = tuple(jnp.shape(w))
@@ -203,8 +281,12 @@ class QuantizedArray(_engine.ArrayValue, metaclass=_engine.FastPytreeMeta):
         check_quantizable(fmt, shape, jnp.result_type(w), axis, block_size, double_quant, "w")
         bs = resolve_block_size(fmt, shape[axis], block_size)
         leaves = _quantize_leaves(jnp.asarray(w), qtype, bs, axis, double_quant)
-        return cls(*leaves[:3], qtype=qtype, block_size=bs, axis=axis, dense_dtype=dtype,
-                   scale_scales=leaves[3], scale_offset=leaves[4])
+        qa = cls(*leaves[:3], qtype=qtype, block_size=bs, axis=axis, dense_dtype=dtype,
+                 scale_scales=leaves[3], scale_offset=leaves[4])
+        sharding = getattr(w, "sharding", None)
+        if isinstance(sharding, NamedSharding) and len(sharding.device_set) > 1:
+            qa = qa.with_sharding(sharding, where="")  # a sharded weight stays sharded
+        return qa
 
     @classmethod
     def from_gguf(cls, data: Any, qtype: str, *, transpose: bool = True,
@@ -263,6 +345,18 @@ class QuantizedArray(_engine.ArrayValue, metaclass=_engine.FastPytreeMeta):
         mins = None if rec.m is None else jnp.asarray(f16(rec.m))
         return cls(jnp.asarray(codes), jnp.asarray(f16(rec.d)), mins, qtype=qtype,
                    block_size=fmt.block_size, axis=-2 if transpose else -1, dense_dtype=dtype)
+
+
+def _spec_axes(entry: Any) -> tuple:
+    if entry is None or entry is P.UNCONSTRAINED:
+        return ()
+    return tuple(entry) if isinstance(entry, tuple) else (entry,)
+
+
+def _place(leaf: Any, sharding: NamedSharding) -> Any:
+    if isinstance(leaf, jax.ShapeDtypeStruct):
+        return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding)
+    return jax.device_put(leaf, sharding)
 
 
 def resolve_block_size(fmt: F.Format, k: int, block_size: int | None) -> int:

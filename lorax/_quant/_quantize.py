@@ -142,6 +142,10 @@ def quantize(
             # would mix the layers (and break `lax.scan` over it). It stays dense.
             out.append(x)
             continue
-        out.append(QuantizedArray.from_dense(x, qtype, block_size=block_size, axis=ax,
-                                             double_quant=double_quant, dtype=dtype))
+        try:
+            q = QuantizedArray.from_dense(x, qtype, block_size=block_size, axis=ax,
+                                          double_quant=double_quant, dtype=dtype)
+        except ValueError as err:  # a sharding the blocks cannot follow
+            raise ValueError(f"quantize: {where}: {err}") from None
+        out.append(q)
     return jax.tree_util.tree_unflatten(treedef, out)

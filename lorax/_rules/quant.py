@@ -37,6 +37,7 @@ from jax.typing import ArrayLike
 from .. import _engine
 from .._quant import _formats as F
 from .._quant._array import QuantizedArray
+from .._sharding import gathered
 from ._contract import arrange, contract, dot_labels
 from .gather import _drop_whole_columns
 
@@ -76,7 +77,8 @@ def _rebuild(like: QuantizedArray, leaves: tuple, **static: Any) -> QuantizedArr
 
 
 def _dense_storage(meta: "_Meta", leaves: tuple, dep: Array | None) -> Array:
-    codes, scales, mins, ss, so = leaves
+    # Sharded leaves are gathered as codes, then dequantized (see `_sharding.gathered`).
+    codes, scales, mins, ss, so = (None if x is None else gathered(x, meta.mesh) for x in leaves)
     qa = QuantizedArray(codes if dep is None else _after(codes, dep), scales, mins, scale_scales=ss, scale_offset=so,
                         qtype=meta.qtype, block_size=meta.block_size, axis=meta.axis,
                         dense_dtype=meta.dense_dtype)
@@ -89,10 +91,11 @@ class _Meta:
     block_size: int
     axis: int
     dense_dtype: Any
+    mesh: Any = None  # the Auto mesh the leaves are sharded on, if any
 
 
 def _meta(qa: QuantizedArray) -> _Meta:
-    return _Meta(qa.qtype, qa.block_size, qa.axis, qa.dense_dtype)
+    return _Meta(qa.qtype, qa.block_size, qa.axis, qa.dense_dtype, _engine.current_mesh())
 
 
 # -- dot_general ------------------------------------------------------------------------
@@ -441,12 +444,60 @@ def _leading_op(qa: QuantizedArray, per_axis: dict[int, Any], fn: Any) -> tuple 
     the op; `fn(leaf, {storage axis: part})`), or why the op cannot keep `qa` quantized."""
     block = qa.ndim + qa.axis
     if block in per_axis:
-        return "it cuts through the quantization blocks' axis"
+        return "it removes or regroups the quantization blocks' axis"
     other = _other_axes(qa)
     by_storage = {other.index(d): v for d, v in per_axis.items()}
     leaves = _map_leaves(qa, lambda leaf, n: fn(leaf, {s: v for s, v in by_storage.items() if s < n}),
                          len(other) - 1 in by_storage)
     return "the double-quantized scales cannot follow it" if leaves is None else leaves
+
+
+# -- slices through the block axis: only the blocks the range covers ------------------------
+
+
+def _single_scales(qa: QuantizedArray) -> QuantizedArray:
+    """`qa` with double-quantized scales expanded to plain ones (1/64 of the weight), so
+    its blocks can be cut anywhere."""
+    if qa.scale_scales is None:
+        return qa
+    scales = F.double_dequantize(qa.scales, qa.scale_scales, qa.scale_offset)
+    return _rebuild(qa, (qa.codes, scales, qa.mins, None, None))
+
+
+def _blocks(qa: QuantizedArray, cut: Any) -> QuantizedArray:
+    """`qa` with `cut(leaf, axis)` applied to the blocks axis of codes, scales and mins."""
+    codes, scales, mins, ss, so = _leaves(qa)
+    return _rebuild(qa, (cut(codes, codes.ndim - 2), cut(scales, scales.ndim - 1),
+                         None if mins is None else cut(mins, mins.ndim - 1), ss, so))
+
+
+def _trimmed(qa: QuantizedArray, trim: Any) -> Array:
+    """The dense value of `qa`'s (already cut) blocks, trimmed by `trim(values, axis)`
+    along the block axis, which is then put back in its place."""
+    v = trim(qa.dequantize_storage(), qa.codes.ndim - 2)
+    return jnp.moveaxis(v, -1, qa.ndim + qa.axis)
+
+
+def _slice_blocks(qa: QuantizedArray, start: int, limit: int, stride: int) -> Any:
+    bs, k = qa.block_size, qa.shape[qa.ndim + qa.axis]
+    b0, b1 = start // bs, -(-limit // bs)
+    aligned = start % bs == 0 and (limit % bs == 0 or limit == k) and stride == 1
+    if aligned and qa.scale_scales is None:  # whole blocks: it stays quantized
+        return _blocks(qa, lambda x, ax: lax.slice_in_dim(x, b0, b1, axis=ax))
+    part = _blocks(_single_scales(qa), lambda x, ax: lax.slice_in_dim(x, b0, b1, axis=ax))
+    return _trimmed(part, lambda v, ax: lax.slice_in_dim(
+        v, start - b0 * bs, limit - b0 * bs, stride, axis=ax))
+
+
+def _dynamic_slice_blocks(qa: QuantizedArray, index: Any, size: int) -> Array:
+    bs, k = qa.block_size, qa.shape[qa.ndim + qa.axis]
+    n_blocks = k // bs
+    n = min(n_blocks, (size - 1) // bs + 2)  # blocks any start can touch
+    i = jnp.clip(jnp.asarray(index), 0, k - size)  # dynamic_slice's own clamping
+    b0 = jnp.minimum(i // bs, n_blocks - n)
+    part = _blocks(_single_scales(qa),
+                   lambda x, ax: lax.dynamic_slice_in_dim(x, b0, n, axis=ax))
+    return _trimmed(part, lambda v, ax: lax.dynamic_slice_in_dim(v, i - b0 * bs, size, axis=ax))
 
 
 @_engine.register(lax.slice_p)
@@ -456,6 +507,7 @@ def _(qa: QuantizedArray, *, start_indices: Sequence[int], limit_indices: Sequen
     per_axis = {d: (s, l, st) for d, (s, l, st, n) in
                 enumerate(zip(start_indices, limit_indices, strides, qa.shape))
                 if (s, l, st) != (0, n, 1)}
+    block = qa.ndim + qa.axis
 
     def fn(leaf: Array, spec: dict) -> Array:
         start = [spec[i][0] if i in spec else 0 for i in range(leaf.ndim)]
@@ -463,17 +515,21 @@ def _(qa: QuantizedArray, *, start_indices: Sequence[int], limit_indices: Sequen
         step = [spec[i][2] if i in spec else 1 for i in range(leaf.ndim)]
         return lax.slice(leaf, start, limit, step)
 
-    leaves = _leading_op(qa, per_axis, fn)
+    if block in per_axis:  # the blocks get cut: plain scales cut anywhere
+        qa = _single_scales(qa)
+    leaves = _leading_op(qa, {d: v for d, v in per_axis.items() if d != block}, fn)
     if isinstance(leaves, str):
         return _engine.materialize_fallback(
             lax.slice_p, [qa], dict(start_indices=start_indices, limit_indices=limit_indices,
                                     strides=strides), leaves)
-    return _rebuild(qa, leaves)
+    out = _rebuild(qa, leaves)
+    return _slice_blocks(out, *per_axis[block]) if block in per_axis else out
 
 
 @_engine.register(lax.dynamic_slice_p)
 def _(qa: QuantizedArray, *indices: Any, slice_sizes: Sequence[int]) -> Any:
     per_axis = {d: (indices[d], s) for d, (s, n) in enumerate(zip(slice_sizes, qa.shape)) if s != n}
+    block = qa.ndim + qa.axis
 
     def fn(leaf: Array, spec: dict) -> Array:
         zero = jnp.zeros((), jnp.asarray(indices[0]).dtype)
@@ -481,11 +537,14 @@ def _(qa: QuantizedArray, *indices: Any, slice_sizes: Sequence[int]) -> Any:
         sizes = [spec[i][1] if i in spec else n for i, n in enumerate(leaf.shape)]
         return lax.dynamic_slice(leaf, starts, sizes)
 
-    leaves = _leading_op(qa, per_axis, fn)
+    if block in per_axis:  # the blocks get cut: plain scales cut anywhere
+        qa = _single_scales(qa)
+    leaves = _leading_op(qa, {d: v for d, v in per_axis.items() if d != block}, fn)
     if isinstance(leaves, str):
         return _engine.materialize_fallback(
             lax.dynamic_slice_p, [qa, *indices], dict(slice_sizes=slice_sizes), leaves)
-    return _rebuild(qa, leaves)
+    out = _rebuild(qa, leaves)
+    return _dynamic_slice_blocks(out, *per_axis[block]) if block in per_axis else out
 
 
 @_engine.register(lax.reshape_p)

@@ -1,4 +1,6 @@
-"""Layout primitives: `shard_map`, `with_sharding_constraint` and `pvary` on a `LoraWeight`.
+"""Layout primitives: `shard_map`, `with_sharding_constraint` and `pvary` on a `LoraWeight`
+(and `shard_map` / `with_sharding_constraint` on a `QuantizedArray`, whose codes, scales
+and mins follow the dense value's layout: `QuantizedArray.leaf_specs`).
 
 The first two state a layout for `W`; the factors get the one `lorax._sharding`
 derives from it (`b` on `W`'s batch and `M` axes, `a` on its batch and `N` axes, the
@@ -9,7 +11,7 @@ its shard of `W` and the low-rank path runs shard by shard with no `W + BA` anyw
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax.extend.core.primitives as _prims
@@ -17,6 +19,7 @@ from jax.sharding import NamedSharding
 
 from .. import _engine
 from .._sharding import factor_dims, factor_specs, varying_axes
+from .._quant._array import QuantizedArray
 from .._weight import LoraWeight
 
 sharding_constraint_p = _prims.sharding_constraint_p
@@ -26,34 +29,65 @@ pvary_p = _engine.pvary_p
 # -- shard_map ---------------------------------------------------------------------
 
 
+def _split_quantized(qa: QuantizedArray, spec: Any) -> tuple[list, list, Callable]:
+    specs = qa.leaf_specs(spec)
+    present = [i for i, leaf in enumerate(qa.leaves()) if leaf is not None]
+
+    def rebuild(taken: Sequence[Any]) -> QuantizedArray:
+        leaves: list = [None] * 5
+        for i, x in zip(present, taken):
+            leaves[i] = x
+        return _with_leaves(qa, leaves)
+
+    return ([qa.leaves()[i] for i in present], [specs[i] for i in present], rebuild)
+
+
+def _with_leaves(qa: QuantizedArray, leaves: Sequence[Any]) -> QuantizedArray:
+    codes, scales, mins, ss, so = leaves
+    return QuantizedArray(codes, scales, mins, scale_scales=ss, scale_offset=so,
+                          qtype=qa.qtype, block_size=qa.block_size, axis=qa.axis,
+                          dense_dtype=qa.dense_dtype)
+
+
+def _split(x: Any, spec: Any) -> tuple[list, list, Callable]:
+    """An operand as arrays with their in_specs, and how to put it back together."""
+    if not _engine.is_value(x):
+        return [x], [spec], lambda taken: taken[0]
+    if type(x) is QuantizedArray:
+        return _split_quantized(x, spec)
+    if type(x) is not LoraWeight:  # a DoraWeight's magnitude has no spec of its own
+        raise ValueError(f"a {type(x).__name__}, which lorax cannot split into arrays")
+    a_spec, b_spec = factor_specs(spec, x.ndim, x.structure[0], x.axes.m)
+    w_leaves, w_specs, w_rebuild = _split(x.w, spec)
+    n = len(w_leaves)
+
+    def rebuild(taken: Sequence[Any]) -> LoraWeight:
+        return LoraWeight(w_rebuild(taken[:n]), taken[n], taken[n + 1], alpha=x.alpha,
+                          m_axes=x.m_axes)
+
+    return [*w_leaves, x.a, x.b], [*w_specs, a_spec, b_spec], rebuild
+
+
 @_engine.register_shard_map_rule
 def _shard_map(operands: Sequence[Any], in_specs: tuple) -> _engine.ShardMapPlan | str:
     leaves: list = []
     specs: list = []
     rebuilders: list = []
     for i, (x, spec) in enumerate(zip(operands, in_specs)):
-        if not _engine.is_value(x):
-            leaves.append(x)
-            specs.append(spec)
-            rebuilders.append((1, None))
-            continue
-        if type(x) is not LoraWeight:  # a DoraWeight's magnitude has no spec of its own
-            return f"operand {i} is a {type(x).__name__}, which lorax cannot split into arrays"
         try:
-            a_spec, b_spec = factor_specs(spec, x.ndim, x.structure[0], x.axes.m)
+            x_leaves, x_specs, rebuild_x = _split(x, spec)
         except ValueError as err:
-            return f"operand {i}, a LoraWeight of shape {tuple(x.shape)}: {err}"
-        leaves += [x.w, x.a, x.b]
-        specs += [spec, a_spec, b_spec]
-        rebuilders.append((3, (x.alpha, x.m_axes)))
+            return f"operand {i}, of shape {tuple(x.shape)}: {err}"
+        leaves += x_leaves
+        specs += x_specs
+        rebuilders.append((len(x_leaves), rebuild_x))
 
     def rebuild(flat: Sequence[Any]) -> list:
         flat = list(flat)
         out = []
-        for n, alpha in rebuilders:
+        for n, rebuild_x in rebuilders:
             taken, flat = flat[:n], flat[n:]
-            out.append(taken[0] if alpha is None
-                       else LoraWeight(*taken, alpha=alpha[0], m_axes=alpha[1]))
+            out.append(rebuild_x(taken))
         return out
 
     return _engine.ShardMapPlan(leaves, tuple(specs), rebuild)
@@ -71,6 +105,15 @@ def _(lw: LoraWeight, *, axes: Any) -> Any:
         return pvary_p.bind(x, axes=new) if new else x
 
     return LoraWeight(vary(lw.w), a=vary(lw.a), b=vary(lw.b), alpha=lw.alpha, m_axes=lw.m_axes)
+
+
+@_engine.register(pvary_p)
+def _(qa: QuantizedArray, *, axes: Any) -> Any:
+    def vary(x: Any) -> Any:
+        new = tuple(a for a in axes if a not in varying_axes(x))
+        return pvary_p.bind(x, axes=new) if new else x
+
+    return _with_leaves(qa, [None if x is None else vary(x) for x in qa.leaves()])
 
 
 # -- with_sharding_constraint -----------------------------------------------------------
@@ -102,7 +145,30 @@ def _(lw: LoraWeight, *, sharding: Any, layout: Any, context_mesh: Any,
             context_mesh=context_mesh,
             unconstrained_dims=frozenset(dims[d] for d in unconstrained if d in dims))
 
-    w = sharding_constraint_p.bind(lw.w, **params)
+    w = (_constrain_quantized(lw.w, **params) if type(lw.w) is QuantizedArray
+         else sharding_constraint_p.bind(lw.w, **params))
     a = constrain(lw.a, a_spec, a_dims)
     b = constrain(lw.b, b_spec, b_dims)
     return LoraWeight(w, a=a, b=b, alpha=lw.alpha, m_axes=lw.m_axes)
+
+
+@_engine.register(sharding_constraint_p)
+def _constrain_quantized(qa: QuantizedArray, *, sharding: Any, layout: Any,
+                         context_mesh: Any, unconstrained_dims: Any) -> Any:
+    params = dict(sharding=sharding, layout=layout, context_mesh=context_mesh,
+                  unconstrained_dims=unconstrained_dims)
+    why = ("a memory layout has no counterpart in the blocks" if layout is not None else
+           f"leaf shardings are derived from a NamedSharding, got {type(sharding).__name__}"
+           if not isinstance(sharding, NamedSharding) else
+           "unconstrained dimensions" if unconstrained_dims else None)
+    if why is None:
+        try:
+            specs = qa.leaf_specs(sharding.spec)
+        except ValueError as err:
+            why = str(err)
+    if why is not None:
+        return _engine.materialize_fallback(sharding_constraint_p, [qa], params, why)
+    leaves = [None if x is None else sharding_constraint_p.bind(
+        x, sharding=sharding.update(spec=spec), layout=None, context_mesh=context_mesh,
+        unconstrained_dims=frozenset()) for x, spec in zip(qa.leaves(), specs)]
+    return _with_leaves(qa, leaves)
