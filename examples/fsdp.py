@@ -118,7 +118,9 @@ def main(argv: list[str] | None = None) -> dict:
                          f"XLA_FLAGS={_FLAG}={args.devices} before JAX starts")
 
     mesh = Mesh(np.array(jax.devices()[: args.devices]), ("fsdp",))
-    rows = NamedSharding(mesh, P("fsdp", None))  # FSDP: each device holds 1/n of the rows
+    # FSDP: each device holds 1/n of every weight: of its rows, or of its columns for a
+    # quantized base, whose blocks run down the rows (input axis) and must stay whole.
+    rows = NamedSharding(mesh, P(None, "fsdp") if args.qtype else P("fsdp", None))
     batch = NamedSharding(mesh, P("fsdp"))
 
     # The base model, created on the host and placed shard by shard.
@@ -141,7 +143,7 @@ def main(argv: list[str] | None = None) -> dict:
     x, y = (local_batch(v, batch, args) for v in (x, y))
 
     spec = lorax.simple_spec(params, decision_fn=lambda path, w: args.rank)
-    if args.qtype:  # QLoRA: the frozen base in quantized blocks, sharded like W
+    if args.qtype:  # QLoRA: codes and scales sharded like W; the step gathers codes, not floats
         params = lorax.quantize(params, spec, args.qtype, min_size=0)
     lora_params = lorax.init_lora(params, spec, jax.random.PRNGKey(1))
     trainable, frozen = lorax.partition(lora_params, spec)

@@ -18,6 +18,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "fsdp.py"
@@ -61,8 +62,10 @@ def _files(d: pathlib.Path) -> dict[str, bytes]:
                                              d / "peft" / "adapter_model.safetensors")}
 
 
-def test_two_processes_train_and_save_like_one(tmp_path):
-    base = [sys.executable, str(EXAMPLE), *ARGS]
+@pytest.mark.parametrize("qtype", [None, "nf4"])
+def test_two_processes_train_and_save_like_one(tmp_path, qtype):
+    """A dense base, and a quantized one (FSDP-QLoRA: codes sharded like W)."""
+    base = [sys.executable, str(EXAMPLE), *ARGS, *(["--qtype", qtype] if qtype else [])]
 
     def distributed(out, n):
         port = _free_port()

@@ -1,0 +1,314 @@
+"""What fits where: compiled memory of a Llama-3 training step at real shapes, compile only.
+
+The main job's plain-JAX Llama (`examples/shakespeare/llama.py`: per-layer remat under
+`lax.scan`, the chunked cross-entropy over a tied embedding) with Llama 3 shapes, on
+abstract parameters (`jax.ShapeDtypeStruct`: nothing is allocated or run), jitted Adam
+step with the trainable state donated. For each model, method and compute dtype, on one
+device and with FSDP over 8 (simulated) devices:
+
+- `args` / `temps` / `peak` (= args + temps + outputs - aliased): XLA's
+  `memory_analysis()` of the compiled step, per device;
+- FSDP: the bytes each collective moves per step (all-gather, reduce-scatter,
+  all-reduce, all-to-all), read from the compiled HLO, the layer body counted once per
+  layer (`while` loops' known trip counts).
+
+Methods: `full` (every weight trained), `lora` (dense frozen base), `qlora-nf4` and
+`qlora-int8` (the frozen weights quantized: every `(in, out)` kernel and the embedding;
+norms stay dense), rank 16 on q, k, v, o, gate, up, down. Dtypes: `f32` (everything
+float32), `bf16` (the base and activations bf16, factors and optimizer state float32;
+full FT in bf16 with bf16 Adam moments). FSDP shards every weight (and its codes,
+factors and moments) along its last axis, the batch along the mesh; per device the
+batch is the single-device one (1 x seq).
+
+    python -m benchmarks.scale [--quick] [--models llama-3.2-1b,llama-3-8b,llama-3-70b]
+                               [--methods full,lora,qlora-nf4,qlora-int8] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import re
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+if "jax" not in sys.modules and "--xla_force_host_platform_device_count" not in os.environ.get(
+        "XLA_FLAGS", ""):  # FSDP over 8 simulated CPU devices
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                               + " --xla_force_host_platform_device_count=8").strip()
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    __package__ = "benchmarks"
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
+
+import lorax  # noqa: E402
+from lorax._sharding import factor_specs  # noqa: E402
+
+from . import _common as C  # noqa: E402
+
+GiB = 2**30
+ROOT = Path(__file__).resolve().parent.parent
+TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
+RANK = 16
+# name: (layers, dim, hidden, heads, kv heads, seq)
+MODELS = {
+    "llama-3.2-1b": (16, 2048, 8192, 32, 8, 2048),
+    "llama-3-8b": (32, 4096, 14336, 32, 8, 2048),
+    "llama-3-70b": (80, 8192, 28672, 64, 8, 2048),
+    "tiny": (2, 256, 512, 4, 2, 64),  # --quick
+}
+VOCAB = 128_256
+# What others quote for the same job (per device, GiB), beside the table in the docs.
+ANCHORS = {
+    "llama-3-8b": "PEFT + bitsandbytes QLoRA r16, batch 1: ~10 GB (bf16 compute)",
+    "llama-3-70b": "Answer.AI FSDP+QLoRA: 2 x 24 GB GPUs; QLoRA paper: 65B on one 48 GB GPU",
+}
+
+
+def _llama():
+    spec = importlib.util.spec_from_file_location(
+        "lorax_bench_llama", ROOT / "examples" / "shakespeare" / "llama.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+LLAMA = _llama()
+
+
+def config(name: str) -> Any:
+    n, d, f, h, kv, _ = MODELS[name]
+    vocab = 4096 if name == "tiny" else VOCAB
+    return LLAMA.Config(n, d, f, h, kv, 5e5, 1e-5, vocab)
+
+
+def abstract_params(cfg: Any, dtype: Any) -> dict:
+    hd = cfg.dim // cfg.n_heads
+    n, d = cfg.n_layers, cfg.dim
+    shapes = dict(q=(d, cfg.n_heads * hd), k=(d, cfg.n_kv_heads * hd),
+                  v=(d, cfg.n_kv_heads * hd), o=(cfg.n_heads * hd, d), gate=(d, cfg.hidden),
+                  up=(d, cfg.hidden), down=(cfg.hidden, d), attn_norm=(d,), mlp_norm=(d,))
+    sds = lambda *s: jax.ShapeDtypeStruct(s, dtype)  # noqa: E731
+    return {"embed": sds(cfg.vocab, d), "final_norm": sds(d),
+            "layers": {k: sds(n, *s) for k, s in shapes.items()}}
+
+
+def spec_for(params: dict, method: str) -> dict:
+    if method == "full":
+        return jax.tree.map(lambda _: lorax.LORA_FULL, params)
+    layer = {k: lorax.LoraSpec(RANK, batch_ndim=1) if k in TARGETS else lorax.LORA_FREEZE
+             for k in params["layers"]}
+    return {"embed": lorax.LORA_FREEZE, "final_norm": lorax.LORA_FREEZE, "layers": layer}
+
+
+def build(cfg: Any, method: str, dtype: Any) -> tuple[Any, dict]:
+    """Abstract parameters for a method (`LoraWeight`s, `QuantizedArray`s), and its spec."""
+    params = abstract_params(cfg, dtype)
+    spec = spec_for(params, method)
+    if method.startswith("qlora"):
+        qtype = method.split("-")[1]
+        params = jax.eval_shape(lambda p: lorax.quantize(p, spec, qtype, dtype=dtype), params)
+    if method != "full":
+        params = jax.eval_shape(
+            lambda p: lorax.init_lora(p, spec, jax.random.PRNGKey(0), dtype=jnp.float32), params)
+    return params, spec
+
+
+# -- FSDP layouts ----------------------------------------------------------------------------
+
+
+def _weight_spec(shape: tuple[int, ...], ways: int) -> P:
+    """Shard the last axis that splits evenly (FSDP), or replicate."""
+    for d in reversed(range(len(shape))):
+        if len(shape) >= 2 and shape[d] % ways == 0:
+            return P(*[("fsdp" if i == d else None) for i in range(len(shape))])
+    return P()
+
+
+def _place(x: Any, mesh: Mesh) -> Any:
+    ways = mesh.size
+    if isinstance(x, lorax.LoraWeight):
+        spec = _weight_spec(x.shape, ways)
+        a_spec, b_spec = factor_specs(spec, x.ndim, x.structure[0], x.axes.m)
+        w = _place_dense_or_quantized(x.w, spec, mesh)
+        sds = lambda y, s: jax.ShapeDtypeStruct(y.shape, y.dtype, sharding=NamedSharding(mesh, s))  # noqa: E731
+        return lorax.LoraWeight(w, sds(x.a, a_spec), sds(x.b, b_spec), alpha=x.alpha)
+    return _place_dense_or_quantized(x, _weight_spec(x.shape, ways), mesh)
+
+
+def _place_dense_or_quantized(x: Any, spec: P, mesh: Mesh) -> Any:
+    if isinstance(x, lorax.QuantizedArray):
+        return x.with_sharding(NamedSharding(mesh, spec))
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, spec))
+
+
+def placed(tree: Any, mesh: Mesh | None) -> Any:
+    if mesh is None:
+        return tree
+    is_leaf = lambda x: isinstance(x, (lorax.LoraWeight, lorax.QuantizedArray))  # noqa: E731
+    return jax.tree.map(lambda x: _place(x, mesh), tree, is_leaf=is_leaf)
+
+
+# -- the step --------------------------------------------------------------------------------
+
+
+def compile_step(cfg: Any, method: str, dtype: Any, mesh: Mesh | None, seq: int) -> Any:
+    params, spec = build(cfg, method, dtype)
+    trainable, frozen = lorax.partition(placed(params, mesh), spec)
+    optimizer = optax.adam(1e-4)
+    state = jax.eval_shape(optimizer.init, trainable)
+    if mesh is not None:  # the moments follow their parameters' layout
+        state = optax.tree_utils.tree_map_params(
+            optimizer, lambda s, p: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=p.sharding),
+            state, trainable, transform_non_params=lambda s: jax.ShapeDtypeStruct(
+                s.shape, s.dtype, sharding=NamedSharding(mesh, P())))
+    batch = 1 if mesh is None else mesh.size
+    windows = jax.ShapeDtypeStruct(
+        (batch, seq + 1), jnp.int32,
+        sharding=None if mesh is None else NamedSharding(mesh, P("fsdp")))
+    apply = lorax.lora(lambda p, w: LLAMA.loss(cfg, p, w), on_materialize="allow")
+
+    def step(trainable, frozen, opt_state, windows):
+        loss, grads = jax.value_and_grad(
+            lambda t: apply(lorax.combine(t, frozen), windows))(trainable)
+        updates, opt_state = optimizer.update(grads, opt_state, trainable)
+        return optax.apply_updates(trainable, updates), opt_state, loss
+
+    jitted = jax.jit(step, donate_argnums=(0, 2))
+    return jitted.lower(trainable, frozen, state, windows).compile()
+
+
+KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all")
+_BYTES = {"f64": 8, "f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2, "s16": 2, "u8": 1,
+          "s8": 1, "pred": 1, "s64": 8, "u64": 8}
+
+
+def _trip_counts(text: str) -> dict[str, int]:
+    """How many times each computation runs per step: `while` bodies by their known
+    trip count, nested ones multiplied."""
+    calls = []  # (caller computation, body, trips)
+    current = None
+    for line in text.splitlines():
+        head = re.match(r"^(?:ENTRY )?%?([\w.\-]+) .*\{\s*$", line)
+        if head and not line.startswith(" "):
+            current = head.group(1)
+        m = re.search(r"while\(.*body=%?([\w.\-]+).*known_trip_count\":\{\"n\":\"(\d+)\"", line)
+        if m:
+            calls.append((current, m.group(1), int(m.group(2))))
+    times: dict[str, int] = {}
+    for _ in range(4):  # nesting depth
+        for caller, body, n in calls:
+            times[body] = times.get(caller, 1) * n
+    return times
+
+
+def collective_bytes(text: str) -> dict[str, int]:
+    times = _trip_counts(text)
+    out = dict.fromkeys(KINDS, 0)
+    current = None
+    for line in text.splitlines():
+        head = re.match(r"^(?:ENTRY )?%?([\w.\-]+) .*\{\s*$", line)
+        if head and not line.startswith(" "):
+            current = head.group(1)
+        for kind in KINDS:
+            m = re.search(r"= (\(?[^=]*?) %s(?:-start)?\(" % kind, line)
+            if m:
+                n = sum(int(np.prod([int(d) for d in dims.split(",") if d] or [1]))
+                        * _BYTES.get(dt, 4) for dt, dims in re.findall(r"(\w+)\[([\d,]*)\]", m.group(1)))
+                out[kind] += n * times.get(current, 1)
+    return out
+
+
+def measure(name: str, method: str, dtype_name: str, mesh: Mesh | None) -> dict:
+    cfg, seq = config(name), MODELS[name][-1]
+    dtype = jnp.bfloat16 if dtype_name == "bf16" else jnp.float32
+    t0 = time.perf_counter()
+    compiled = compile_step(cfg, method, dtype, mesh, seq)
+    m = compiled.memory_analysis()
+    row = dict(model=name, method=method, dtype=dtype_name,
+               devices=1 if mesh is None else mesh.size,
+               args_gib=m.argument_size_in_bytes / GiB, temps_gib=m.temp_size_in_bytes / GiB,
+               peak_gib=(m.argument_size_in_bytes + m.temp_size_in_bytes
+                         + m.output_size_in_bytes - m.alias_size_in_bytes) / GiB,
+               compile_s=time.perf_counter() - t0)
+    if mesh is not None:
+        for kind, n in collective_bytes(compiled.as_text()).items():
+            row[f"{kind}_gib"] = n / GiB
+    return row
+
+
+def markdown(rows: list[dict]) -> str:
+    lines = ["| model | method | dtype | devices | args GiB | temps GiB | peak GiB | "
+             "all-gather GiB | reduce-scatter GiB | all-reduce GiB |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        coll = [f"{r[f'{k}_gib']:.2f}" if f"{k}_gib" in r else "" for k in KINDS[:3]]
+        lines.append(f"| {r['model']} | {r['method']} | {r['dtype']} | {r['devices']} | "
+                     f"{r['args_gib']:.2f} | {r['temps_gib']:.2f} | {r['peak_gib']:.2f} | "
+                     + " | ".join(coll) + " |")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    plt = C.pyplot("scale")
+    if plt is None:
+        return
+    cells = [r for r in rows if r["dtype"] == "bf16"] or rows
+    fig, ax = plt.subplots(figsize=(9, 4))
+    labels = [f"{r['model']}\n{r['method']} x{r['devices']}" for r in cells]
+    ax.bar(range(len(cells)), [r["args_gib"] for r in cells], label="arguments")
+    ax.bar(range(len(cells)), [r["temps_gib"] for r in cells],
+           bottom=[r["args_gib"] for r in cells], label="temporaries")
+    ax.set_xticks(range(len(cells)), labels, rotation=90, fontsize=6)
+    ax.set_yscale("log")
+    ax.set_ylabel("GiB per device")
+    ax.set_title("Compiled training step, per device (bf16 compute)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="a tiny model only")
+    parser.add_argument("--models", default="llama-3.2-1b,llama-3-8b,llama-3-70b")
+    parser.add_argument("--methods", default="full,lora,qlora-nf4,qlora-int8")
+    parser.add_argument("--dtypes", default="f32,bf16")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    models = ["tiny"] if args.quick else args.models.split(",")
+    mesh = Mesh(np.array(jax.devices()[:8]), ("fsdp",)) if len(jax.devices()) >= 8 else None
+    if mesh is None:
+        print("[scale] fewer than 8 devices: single-device cells only", flush=True)
+    rows = []
+    for name in models:
+        for method in args.methods.split(","):
+            for dtype_name in args.dtypes.split(","):
+                for m in (None, mesh) if mesh is not None else (None,):
+                    if name == "llama-3-70b" and method == "full" and m is None:
+                        continue  # 70B full FT on one device: ~1.1 TiB, nothing to learn
+                    row = measure(name, method, dtype_name, m)
+                    rows.append(row)
+                    print(f"[scale] {name} {method} {dtype_name} x{row['devices']}: "
+                          f"args {row['args_gib']:.2f} + temps {row['temps_gib']:.2f} GiB "
+                          f"({row['compile_s']:.0f} s)", flush=True)
+    out = C.out_dir(args.out)
+    C.write_csv(out / "scale.csv", rows)
+    (out / "scale.md").write_text(
+        "# What fits where (compile only)\n\n" + markdown(rows) + "\n\n" + C.machine_md() + "\n")
+    plot(rows, out / "scale.png")
+    return rows
+
+
+if __name__ == "__main__":
+    main()
