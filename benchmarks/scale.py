@@ -7,7 +7,8 @@ step with the trainable state donated. For each model, method and compute dtype,
 device and with FSDP over 8 (simulated) devices:
 
 - `args` / `temps` / `peak` (= args + temps + outputs - aliased): XLA's
-  `memory_analysis()` of the compiled step, per device;
+  `memory_analysis()` of the compiled step, per device; `whole`: the arguments each
+  device holds whole (replicated: norms, the step count; on one device, everything);
 - FSDP: the bytes each collective moves per step (all-gather, reduce-scatter,
   all-reduce, all-to-all), read from the compiled HLO, the layer body counted once per
   layer (`while` loops' known trip counts).
@@ -184,7 +185,18 @@ def compile_step(cfg: Any, method: str, dtype: Any, mesh: Mesh | None, seq: int)
         return optax.apply_updates(trainable, updates), opt_state, loss
 
     jitted = jax.jit(step, donate_argnums=(0, 2))
-    return jitted.lower(trainable, frozen, state, windows).compile()
+    compiled = jitted.lower(trainable, frozen, state, windows).compile()
+    return compiled, _whole_bytes((trainable, frozen, state, windows))
+
+
+def _whole_bytes(tree: Any) -> int:
+    """Bytes of the arguments every device holds whole (replicated, or no mesh)."""
+    total = 0
+    for x in jax.tree.leaves(tree):
+        sharding = getattr(x, "sharding", None)
+        if sharding is None or sharding.is_fully_replicated:
+            total += int(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize
+    return total
 
 
 KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all")
@@ -232,14 +244,14 @@ def measure(name: str, method: str, dtype_name: str, mesh: Mesh | None) -> dict:
     cfg, seq = config(name), MODELS[name][-1]
     dtype = jnp.bfloat16 if dtype_name == "bf16" else jnp.float32
     t0 = time.perf_counter()
-    compiled = compile_step(cfg, method, dtype, mesh, seq)
+    compiled, whole = compile_step(cfg, method, dtype, mesh, seq)
     m = compiled.memory_analysis()
     row = dict(model=name, method=method, dtype=dtype_name,
                devices=1 if mesh is None else mesh.size,
                args_gib=m.argument_size_in_bytes / GiB, temps_gib=m.temp_size_in_bytes / GiB,
                peak_gib=(m.argument_size_in_bytes + m.temp_size_in_bytes
                          + m.output_size_in_bytes - m.alias_size_in_bytes) / GiB,
-               compile_s=time.perf_counter() - t0)
+               whole_gib=whole / GiB, compile_s=time.perf_counter() - t0)
     if mesh is not None:
         for kind, n in collective_bytes(compiled.as_text()).items():
             row[f"{kind}_gib"] = n / GiB

@@ -8,6 +8,7 @@ import importlib.util
 import sys
 from pathlib import Path
 
+import jax
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -161,3 +162,20 @@ def test_adapters_quick(tmp_path):
     assert float(side["flops_together_over_separate"]) < 0.95
     assert float(row["flops_mixed_over_one"]) >= 1
     assert "together / separate" in (tmp_path / "adapters.md").read_text()
+
+
+def test_scale_quick(tmp_path):
+    """Compile-only, tiny Llama: the FSDP-QLoRA step's per-device arguments are 1/8 of
+    the single-device step's plus what every device holds whole (norms, the step count)."""
+    from benchmarks import scale
+
+    rows = scale.main(["--quick", "--methods", "lora,qlora-nf4", "--dtypes", "f32",
+                       "--out", str(tmp_path)])
+    assert (tmp_path / "scale.csv").exists() and (tmp_path / "scale.md").exists()
+    if jax.device_count() < 8:
+        return
+    by = {(r["method"], r["devices"]): r for r in rows}
+    for method in ("lora", "qlora-nf4"):
+        one, eight = by[method, 1], by[method, 8]
+        assert eight["args_gib"] <= one["args_gib"] / 8 + eight["whole_gib"] + 1e-6
+        assert eight["all-gather_gib"] > 0
