@@ -50,18 +50,32 @@ def _unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, head_dim // 2, 2, row).swapaxes(1, 2).reshape(out, row)
 
 
-_QTYPES = {"Q4_0": "q4_0", "Q4_1": "q4_1", "Q8_0": "q8_0"}
+def _unpermute_rows(w, n_heads: int):
+    """`_unpermute_qk` on a dense `(out, in)` array or on a `QuantizedArray`'s leaves
+    (whose leading axis is `out` whatever its block axis)."""
+    import lorax
+
+    if not isinstance(w, lorax.QuantizedArray):
+        return _unpermute_qk(np.asarray(w), n_heads)
+    leaves = [None if x is None else _unpermute_qk(np.asarray(x).reshape(x.shape[0], -1),
+                                                   n_heads).reshape(x.shape)
+              for x in (w.codes, w.scales, w.mins)]
+    return lorax.QuantizedArray(*leaves, qtype=w.qtype, block_size=w.block_size, axis=w.axis,
+                                dense_dtype=w.dense_dtype)
 
 
-def load(path: str | None = None, quantized: bool = False) -> tuple[dict, dict, tokenizers.Tokenizer]:
-    """Return `(params, config, tokenizer)`: params as a dict of float32 numpy arrays, or
-    with `quantized=True` of `lorax.QuantizedArray`s holding the GGUF's blocks as they
-    are on disk (no dense copy; the 1-d norms are float32 either way)."""
-    import gguf
+def _kernel(w):
+    """GGUF's `(out, in)` as the `(in, out)` kernel `x @ w` takes: for a quantized tensor
+    the same bytes with the block axis counted as `-2` (see `lorax.load_gguf`)."""
+    import lorax
 
-    reader = gguf.GGUFReader(path or default_gguf_path())
-    meta = {name: field.contents() for name, field in reader.fields.items()
-            if not name.startswith("tokenizer.ggml.")}
+    if isinstance(w, lorax.QuantizedArray):
+        return lorax.QuantizedArray(w.codes, w.scales, w.mins, qtype=w.qtype,
+                                    block_size=w.block_size, axis=-2, dense_dtype=w.dense_dtype)
+    return np.asarray(w).T
+
+
+def _config(meta: dict) -> dict:
     arch = meta["general.architecture"]
     config = {
         "n_layers": int(meta[f"{arch}.block_count"]),
@@ -73,73 +87,68 @@ def load(path: str | None = None, quantized: bool = False) -> tuple[dict, dict, 
         "norm_eps": float(meta[f"{arch}.attention.layer_norm_rms_epsilon"]),
         "vocab": int(meta[f"{arch}.vocab_size"]),
     }
-
     if int(meta.get(f"{arch}.rope.dimension_count", 0)) not in (0, config["dim"] // config["n_heads"]):
         raise ValueError("partial rotary embeddings are not supported")
-    tensors = {t.name: t for t in reader.tensors}
+    return config
+
+
+def load(path: str | None = None, quantized: bool = False) -> tuple[dict, dict, tokenizers.Tokenizer]:
+    """Return `(params, config, tokenizer)`: params as a dict of float32 numpy arrays, or
+    with `quantized=True` of `lorax.QuantizedArray`s holding the GGUF's blocks as they
+    are on disk (no dense copy; the 1-d norms are float32 either way). The file is read
+    through `lorax.load_gguf`, which checks it (a damaged or lying file is a ValueError
+    naming the file and the tensor)."""
+    import jax
+    import lorax
+
+    tensors, meta = lorax.load_gguf(path or default_gguf_path())
+    config = _config(meta)
     if "output.weight" in tensors:
         raise ValueError("this loader expects tied embeddings (no output.weight)")
 
-    def get(name: str) -> np.ndarray:
-        t = tensors[name]
-        # dequantize returns numpy order (GGUF lists dims reversed): (out, in) for
-        # dense weights, (vocab, dim) for the embedding.
-        return np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), np.float32)
-
-    def get_quantized(name: str, permute_heads: int = 0, transpose: bool = True):
-        import lorax
-
-        t = tensors[name]
-        qtype = _QTYPES.get(t.tensor_type.name)
-        if qtype is None:
-            raise ValueError(f"{name}: {t.tensor_type.name} blocks are not supported here")
-        data = np.asarray(t.data)  # (rows, bytes per row), blocks as on disk
-        if permute_heads:
-            data = _unpermute_qk(data, permute_heads)
-        return lorax.QuantizedArray.from_gguf(data, qtype, transpose=transpose)
+    def get(name: str, permute_heads: int = 0):
+        w = tensors[name]
+        if not quantized and isinstance(w, lorax.QuantizedArray):
+            w = np.asarray(w.dequantize(), np.float32)  # numpy order: (out, in), (vocab, dim)
+        w = _unpermute_rows(w, permute_heads) if permute_heads else w
+        return np.asarray(w, np.float32) if isinstance(w, np.ndarray) else w
 
     def stack(ws):
-        if not quantized or ws[0].ndim == 1:
+        if isinstance(ws[0], np.ndarray):
             return np.stack(ws)
-        import jax  # noqa: PLC0415  (only the quantized path needs it)
-
         return jax.tree.map(lambda *leaves: np.stack(leaves), *ws)
 
     heads = {"attn_q": config["n_heads"], "attn_k": config["n_kv_heads"]}
     layers: dict[str, list] = {v: [] for v in _LAYER_TENSORS.values()}
     for i in range(config["n_layers"]):
         for src, dst in _LAYER_TENSORS.items():
-            name = f"blk.{i}.{src}.weight"
-            if quantized and len(tensors[name].shape) == 2:
-                layers[dst].append(get_quantized(name, heads.get(src, 0)))
-                continue
-            w = get(name)
-            if src in heads:
-                w = _unpermute_qk(w, heads[src])
-            layers[dst].append(w if w.ndim == 1 else w.T)
-    embed = (get_quantized("token_embd.weight", transpose=False) if quantized
-             else get("token_embd.weight"))
+            w = get(f"blk.{i}.{src}.weight", heads.get(src, 0))
+            layers[dst].append(w if w.ndim == 1 else _kernel(w))
     params = {
-        "embed": embed,
+        "embed": get("token_embd.weight"),
         "layers": {k: stack(v) for k, v in layers.items()},
         "final_norm": get("output_norm.weight"),
     }
-    return params, config, tokenizer(reader)
+    return params, config, tokenizer(meta)
 
 
-def tokenizer(reader=None) -> tokenizers.Tokenizer:
-    """The GGUF's byte-level BPE tokenizer; `reader` is a `GGUFReader`, a path or None."""
-    import gguf
+# gguf-py's `TokenType.CONTROL`: special tokens.
+_CONTROL = 3
+
+
+def tokenizer(meta=None) -> tokenizers.Tokenizer:
+    """The GGUF's byte-level BPE tokenizer; `meta` is `lorax.load_gguf`'s metadata, a
+    path or None (the default file)."""
+    import lorax
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
-    if not isinstance(reader, gguf.GGUFReader):
-        reader = gguf.GGUFReader(reader or default_gguf_path())
-    fields = reader.fields
-    if fields["tokenizer.ggml.model"].contents() != "gpt2":
+    if not isinstance(meta, dict):
+        meta = lorax.load_gguf(meta or default_gguf_path())[1]
+    if meta["tokenizer.ggml.model"] != "gpt2":
         raise ValueError("expected a byte-level BPE ('gpt2') tokenizer")
-    tokens = fields["tokenizer.ggml.tokens"].contents()
-    merges = [tuple(m.split(" ", 1)) for m in fields["tokenizer.ggml.merges"].contents()]
-    types = fields["tokenizer.ggml.token_type"].contents()
+    tokens = list(meta["tokenizer.ggml.tokens"])
+    merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
+    types = list(np.asarray(meta["tokenizer.ggml.token_type"]))
     tok = Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges))
     # llama.cpp's "smollm" pre-tokenizer: each digit on its own, then GPT-2's split.
     tok.pre_tokenizer = pre_tokenizers.Sequence([
@@ -148,5 +157,5 @@ def tokenizer(reader=None) -> tokenizers.Tokenizer:
     ])
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens([AddedToken(t, special=True) for t, ty in zip(tokens, types)
-                            if ty == gguf.TokenType.CONTROL])
+                            if ty == _CONTROL])
     return tok
