@@ -189,6 +189,23 @@ class QuantizedArray(_engine.ArrayValue, metaclass=_engine.FastPytreeMeta):
         **Returns:**
 
         A `QuantizedArray` whose `sharding` is `sharding`.
+
+        **Raises:**
+
+        `ValueError` (prefixed by `where`) if the sharding would split a block.
+
+        !!! Example
+
+            ```python
+            import jax, jax.numpy as jnp
+            from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+            import lorax
+
+            mesh = Mesh(jax.devices(), ("fsdp",))
+            q = lorax.QuantizedArray.from_dense(jnp.ones((128, 64)), "nf4")
+            placed = q.with_sharding(NamedSharding(mesh, P(None, "fsdp")))  # split `out`
+            assert placed.sharding.spec == P(None, "fsdp")
+            ```
         """
         where = f"{where}: " if where else ""
         if not isinstance(sharding, NamedSharding):
