@@ -28,6 +28,7 @@ batch is the single-device one (1 x seq).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import os
 import re
@@ -190,8 +191,24 @@ def compile_step(cfg: Any, method: str, dtype: Any, mesh: Mesh | None, seq: int)
         return optax.apply_updates(trainable, updates), opt_state, loss
 
     jitted = jax.jit(step, donate_argnums=(0, 2))
-    compiled = jitted.lower(trainable, frozen, state, windows).compile()
+    with _activations_on_batch(mesh):
+        compiled = jitted.lower(trainable, frozen, state, windows).compile()
     return compiled, _whole_bytes((trainable, frozen, state, windows))
+
+
+@contextlib.contextmanager
+def _activations_on_batch(mesh: Mesh | None):
+    """FSDP as it is run: each layer's activations pinned to the batch axis (MaxText's
+    logical-axis rules do this), or XLA's propagation may keep them whole per device."""
+    block = LLAMA.block
+    if mesh is not None:
+        batch = NamedSharding(mesh, P("fsdp"))
+        LLAMA.block = lambda cfg, x, layer: jax.lax.with_sharding_constraint(
+            block(cfg, jax.lax.with_sharding_constraint(x, batch), layer), batch)
+    try:
+        yield
+    finally:
+        LLAMA.block = block
 
 
 def _whole_bytes(tree: Any) -> int:

@@ -52,7 +52,9 @@ def _after(codes: Array, dep: Array) -> Array:
     """
     if dep.size == 0:
         return codes
-    first = lax.reshape(dep, (dep.size,))[0]
+    # One element, sliced where it is: flattening `dep` first would make a sharded
+    # activation be all-gathered whole just to read it (FSDP).
+    first = lax.reshape(lax.slice(dep, (0,) * dep.ndim, (1,) * dep.ndim), ())
     if jnp.issubdtype(first.dtype, jnp.complexfloating):
         first = jnp.real(first)
     width = jnp.dtype(first.dtype).itemsize
