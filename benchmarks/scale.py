@@ -118,12 +118,7 @@ def build(cfg: Any, method: str, dtype: Any) -> tuple[Any, dict]:
     spec = spec_for(params, method)
     if method.startswith("qlora"):
         qtype = method.split("-")[1]
-        # The kernels and the embedding; stacked norm scales stay dense (int8's one block
-        # per column would otherwise run along their layer axis).
-        qspec = jax.tree.map(lambda s, x: lorax.LORA_FULL if len(x.shape) < 2 or
-                             (len(x.shape) == 2 and x.shape[0] == cfg.n_layers) else s,
-                             spec, params)
-        params = jax.eval_shape(lambda p: lorax.quantize(p, qspec, qtype, dtype=dtype), params)
+        params = jax.eval_shape(lambda p: lorax.quantize(p, spec, qtype, dtype=dtype), params)
     if method != "full":
         params = jax.eval_shape(
             lambda p: lorax.init_lora(p, spec, jax.random.PRNGKey(0), dtype=jnp.float32), params)

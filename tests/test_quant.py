@@ -354,6 +354,18 @@ def test_quantize_picks_the_frozen_base_and_leaves_the_rest():
     assert "quantized" in str(s)
 
 
+@pytest.mark.parametrize("qtype", ["int8", "q8_0", "nf4"])
+def test_stacked_norm_scales_stay_dense_even_for_deep_models(qtype):
+    """`(layers, dim)` norm stacks of 32-126 layers are vectors, not weights: blocks along
+    the layer axis would mix layers and break `lax.scan` over them."""
+    params = {"norms": jnp.ones((80, 4096)), "kernel": jnp.ones((4096, 256))}
+    spec = {"norms": lorax.LORA_FREEZE, "kernel": lorax.LORA_FREEZE}
+    q = lorax.quantize(params, spec, qtype)
+    assert q["norms"] is params["norms"] and isinstance(q["kernel"], lorax.QuantizedArray)
+    y = lorax.lora(lambda p: jax.lax.scan(lambda c, n: (c + n.sum(), None), 0.0, p["norms"])[0])(q)
+    assert float(y) == 80 * 4096
+
+
 def test_training_on_the_partition_path_leaves_codes_bit_identical():
     params, spec, model = _mlp()
     q = lorax.quantize(params, spec, "q4_1")

@@ -25,6 +25,13 @@ def _block_axis(spec_val: Any, ndim: int) -> int | None:
     return m[-1] - ndim  # the last of the M (input) axes, counted from the end
 
 
+def _vector_stack(shape: tuple[int, ...]) -> bool:
+    """A frozen `(n, dim)` leaf that is a stack of per-layer vectors (norm scales), not a
+    weight: few rows, or rows far fewer than columns (Llama-3-70B stacks 80 layers of
+    8,192, Llama-3.1-405B 126 of 16,384)."""
+    return len(shape) == 2 and (shape[0] < 32 or (shape[0] < 128 and 16 * shape[0] <= shape[1]))
+
+
 def quantize(
     params: Any,
     spec: Any,
@@ -43,7 +50,8 @@ def quantize(
     Vectors, scalars, non-float leaves, `LORA_FULL` leaves, frozen leaves of fewer
     than `min_size` values (multi-axis biases, small tables: nothing to save) and
     frozen leaves whose block axis does not split into whole blocks, and frozen
-    `(n, dim)` leaves with fewer than 32 rows (stacked `(layers, dim)` norm scales:
+    `(n, dim)` leaves that look like stacked `(layers, dim)` norm scales (fewer than 32
+    rows, or fewer than 128 and at least 16 times as wide):
     blocks along the layers would mix them) stay as they are (the same arrays);
     [`lorax.summary`][] says how many weights were quantized. Quantize *before* [`lorax.init_lora`][]: it then wraps each
     quantized weight in a `LoraWeight` whose `w` is the [`lorax.QuantizedArray`][]
@@ -136,7 +144,7 @@ def quantize(
             # `(layers, dim)` norm scale) is not a weight to quantize: it stays dense.
             out.append(x)
             continue
-        if as_lora_spec(spec_val) is None and chosen is None and len(shape) == 2 and shape[0] < 32:
+        if as_lora_spec(spec_val) is None and chosen is None and _vector_stack(shape):
             # A frozen `(n, dim)` leaf with few rows (stacked norm scales, one row per
             # layer) is a stack of vectors, not a weight: blocks along its leading axis
             # would mix the layers (and break `lax.scan` over it). It stays dense.
