@@ -138,10 +138,15 @@ def weight_aval(w: Any, leaves: tuple[Any, ...]) -> Any:
     return like.update(weak_type=False, manual_axis_type=like.mat.update(varying=varying))
 
 
+def _mesh_of(x: Any) -> Any:
+    """The (abstract) mesh `x`'s type names, or `None`."""
+    return getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
+
+
 def auto_mesh(x: Any) -> Any:
     """The mesh `x` is traced on if every axis of it is Auto and it spans several
     devices, else `None` (off a mesh, in a `shard_map` body, sharding in types)."""
-    mesh = getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
+    mesh = _mesh_of(x)
     if mesh is None or getattr(mesh, "empty", True) or mesh.size == 1:
         return None
     auto = getattr(jax.sharding, "AxisType", None)
@@ -152,7 +157,7 @@ def auto_mesh(x: Any) -> Any:
 
 def _manual(x: Any) -> bool:
     """`x` is traced inside a `shard_map` body (its mesh has Manual axes)."""
-    mesh = getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
+    mesh = _mesh_of(x)
     manual = getattr(getattr(jax.sharding, "AxisType", None), "Manual", None)
     return manual is not None and any(t == manual for t in getattr(mesh, "axis_types", ()))
 
@@ -184,7 +189,7 @@ def gathered(x: Any, mesh: Any) -> Any:
 
 def explicit_axes(x: Any) -> tuple[str, ...]:
     """The `AxisType.Explicit` axes of the mesh `x` is typed with (none for Auto meshes)."""
-    mesh = getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
+    mesh = _mesh_of(x)
     names = getattr(mesh, "axis_names", ())
     types = getattr(mesh, "axis_types", ())
     explicit = getattr(jax.sharding, "AxisType", None)

@@ -163,6 +163,14 @@ class QuantizedArray(_engine.ArrayValue, metaclass=_engine.FastPytreeMeta):
         """`(codes, scales, mins, scale_scales, scale_offset)`, `None` where absent."""
         return self.codes, self.scales, self.mins, self.scale_scales, self.scale_offset
 
+    def with_leaves(self, leaves: Any, **static: Any) -> "QuantizedArray":
+        """The same static fields (or `static`'s) around other `leaves()`."""
+        codes, scales, mins, ss, so = leaves
+        meta = dict(qtype=self.qtype, block_size=self.block_size, axis=self.axis,
+                    dense_dtype=self.dense_dtype)
+        meta.update(static)
+        return QuantizedArray(codes, scales, mins, scale_scales=ss, scale_offset=so, **meta)
+
     @property
     def sharding(self) -> NamedSharding | None:
         """The dense value's `NamedSharding`, read from the codes' (`None` if the
@@ -223,12 +231,9 @@ class QuantizedArray(_engine.ArrayValue, metaclass=_engine.FastPytreeMeta):
                 f"{self.axis}, {n_blocks} blocks of {self.block_size}) {ways} ways, which "
                 "does not divide the blocks: shard another axis, or choose a mesh whose "
                 "size divides the number of blocks.")
-        placed = [None if leaf is None else _place(leaf, NamedSharding(sharding.mesh, spec))
-                  for leaf, spec in zip(self.leaves(), specs)]
-        return QuantizedArray(placed[0], placed[1], placed[2], scale_scales=placed[3],
-                              scale_offset=placed[4], qtype=self.qtype,
-                              block_size=self.block_size, axis=self.axis,
-                              dense_dtype=self.dense_dtype)
+        return self.with_leaves([
+            None if leaf is None else _place(leaf, NamedSharding(sharding.mesh, spec))
+            for leaf, spec in zip(self.leaves(), specs)])
 
     def dequantize_storage(self) -> Array:
         """The dense value with the block axis last (`storage_shape`), in `dense_dtype`."""

@@ -115,45 +115,46 @@ def quantize(
     check_spec_structure(spec, params, "quantize", is_leaf)
     leaves, treedef = jax.tree_util.tree_flatten_with_path(params, is_leaf=is_leaf)
     spec_leaves = treedef.flatten_up_to(spec)
-    out = []
-    for (path, x), spec_val in zip(leaves, spec_leaves):
-        where = repr(path_str(path))
-        shape = tuple(getattr(x, "shape", ()))
-        dtype_x = getattr(x, "dtype", None)
-        default = _block_axis(spec_val, len(shape))
-        if default is None or isinstance(x, QuantizedArray):
-            out.append(x)
-            continue
-        # Vectors and scalars stay dense when frozen; a rank on them is an error
-        # init_lora reports anyway, so say it here with the quantization's words.
-        if as_lora_spec(spec_val) is None and (len(shape) < 2 or math.prod(shape) < min_size):
-            out.append(x)
-            continue
-        if dtype_x is None or not jnp.issubdtype(dtype_x, jnp.floating):
-            if as_lora_spec(spec_val) is None:
-                out.append(x)  # integer buffers marked frozen are not weights
-                continue
-        chosen = axis(path_str(path), x) if callable(axis) else axis
-        ax = default if chosen is None else int(chosen)
-        try:
-            check_quantizable(fmt, shape, dtype_x, ax, block_size, double_quant, where)
-        except ValueError:
-            if as_lora_spec(spec_val) is not None:
-                raise
-            # A frozen leaf that does not split into whole blocks (a stacked
-            # `(layers, dim)` norm scale) is not a weight to quantize: it stays dense.
-            out.append(x)
-            continue
-        if as_lora_spec(spec_val) is None and chosen is None and _vector_stack(shape):
-            # A frozen `(n, dim)` leaf with few rows (stacked norm scales, one row per
-            # layer) is a stack of vectors, not a weight: blocks along its leading axis
-            # would mix the layers (and break `lax.scan` over it). It stays dense.
-            out.append(x)
-            continue
-        try:
-            q = QuantizedArray.from_dense(x, qtype, block_size=block_size, axis=ax,
-                                          double_quant=double_quant, dtype=dtype)
-        except ValueError as err:  # a sharding the blocks cannot follow
-            raise ValueError(f"quantize: {where}: {err}") from None
-        out.append(q)
+    options = dict(block_size=block_size, dtype=dtype, double_quant=double_quant, axis=axis,
+                   min_size=min_size)
+    out = [_quantize_leaf(fmt, path, x, spec_val, **options)
+           for (path, x), spec_val in zip(leaves, spec_leaves)]
     return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def _quantize_leaf(fmt: F.Format, path: Any, x: Any, spec_val: Any, *, block_size: int | None,
+                   dtype: Any, double_quant: bool, axis: Any, min_size: int) -> Any:
+    """One leaf of `quantize`: its `QuantizedArray`, or the leaf itself where it stays dense."""
+    where = repr(path_str(path))
+    shape = tuple(getattr(x, "shape", ()))
+    dtype_x = getattr(x, "dtype", None)
+    default = _block_axis(spec_val, len(shape))
+    target = as_lora_spec(spec_val) is not None
+    if default is None or isinstance(x, QuantizedArray):
+        return x
+    # Vectors and scalars stay dense when frozen; a rank on them is an error
+    # init_lora reports anyway, so say it here with the quantization's words.
+    if not target and (len(shape) < 2 or math.prod(shape) < min_size):
+        return x
+    if not target and (dtype_x is None or not jnp.issubdtype(dtype_x, jnp.floating)):
+        return x  # integer buffers marked frozen are not weights
+    chosen = axis(path_str(path), x) if callable(axis) else axis
+    ax = default if chosen is None else int(chosen)
+    try:
+        check_quantizable(fmt, shape, dtype_x, ax, block_size, double_quant, where)
+    except ValueError:
+        if target:
+            raise
+        # A frozen leaf that does not split into whole blocks (a stacked
+        # `(layers, dim)` norm scale) is not a weight to quantize: it stays dense.
+        return x
+    if not target and chosen is None and _vector_stack(shape):
+        # A frozen `(n, dim)` leaf with few rows (stacked norm scales, one row per
+        # layer) is a stack of vectors, not a weight: blocks along its leading axis
+        # would mix the layers (and break `lax.scan` over it). It stays dense.
+        return x
+    try:
+        return QuantizedArray.from_dense(x, fmt.name, block_size=block_size, axis=ax,
+                                         double_quant=double_quant, dtype=dtype)
+    except ValueError as err:  # a sharding the blocks cannot follow
+        raise ValueError(f"quantize: {where}: {err}") from None

@@ -71,11 +71,7 @@ def _leaves(qa: QuantizedArray) -> tuple:
 
 
 def _rebuild(like: QuantizedArray, leaves: tuple, **static: Any) -> QuantizedArray:
-    codes, scales, mins, ss, so = leaves
-    meta = dict(qtype=like.qtype, block_size=like.block_size, axis=like.axis,
-                dense_dtype=like.dense_dtype)
-    meta.update(static)
-    return QuantizedArray(codes, scales, mins, scale_scales=ss, scale_offset=so, **meta)
+    return like.with_leaves(leaves, **static)
 
 
 def _dense_storage(meta: "_Meta", leaves: tuple, dep: Array | None) -> Array:

@@ -37,16 +37,9 @@ def _split_quantized(qa: QuantizedArray, spec: Any) -> tuple[list, list, Callabl
         leaves: list = [None] * 5
         for i, x in zip(present, taken):
             leaves[i] = x
-        return _with_leaves(qa, leaves)
+        return qa.with_leaves(leaves)
 
     return ([qa.leaves()[i] for i in present], [specs[i] for i in present], rebuild)
-
-
-def _with_leaves(qa: QuantizedArray, leaves: Sequence[Any]) -> QuantizedArray:
-    codes, scales, mins, ss, so = leaves
-    return QuantizedArray(codes, scales, mins, scale_scales=ss, scale_offset=so,
-                          qtype=qa.qtype, block_size=qa.block_size, axis=qa.axis,
-                          dense_dtype=qa.dense_dtype)
 
 
 def _split(x: Any, spec: Any) -> tuple[list, list, Callable]:
@@ -113,7 +106,7 @@ def _(qa: QuantizedArray, *, axes: Any) -> Any:
         new = tuple(a for a in axes if a not in varying_axes(x))
         return pvary_p.bind(x, axes=new) if new else x
 
-    return _with_leaves(qa, [None if x is None else vary(x) for x in qa.leaves()])
+    return qa.with_leaves([None if x is None else vary(x) for x in qa.leaves()])
 
 
 # -- with_sharding_constraint -----------------------------------------------------------
@@ -171,4 +164,4 @@ def _constrain_quantized(qa: QuantizedArray, *, sharding: Any, layout: Any,
     leaves = [None if x is None else sharding_constraint_p.bind(
         x, sharding=sharding.update(spec=spec), layout=None, context_mesh=context_mesh,
         unconstrained_dims=frozenset()) for x, spec in zip(qa.leaves(), specs)]
-    return _with_leaves(qa, leaves)
+    return qa.with_leaves(leaves)
