@@ -34,7 +34,7 @@ from .._spec import LORA_FREEZE, LoraSpec
 from .._variants.dora import DoraWeight
 from .._weight import LoraWeight
 from . import _torch
-from ._export import export_modules
+from ._export import Module, export_modules
 
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
@@ -158,6 +158,19 @@ def save_peft(
         ```
     """
     modules = export_modules("save_peft", lora_params, module_name, layout, dtype)
+    _check_all_or_no_dora(modules)
+    others = _other_modules(lora_params, module_name)
+    config = _peft_config(modules, others, base_model_name_or_path, task_type)
+    if jax.process_index() == 0:
+        os.makedirs(directory, exist_ok=True)
+        with open(os.path.join(directory, CONFIG_NAME), "w") as f:
+            json.dump(config, f, indent=2, sort_keys=True)
+            f.write("\n")
+        _write_safetensors(os.path.join(directory, WEIGHTS_NAME), _peft_tensors(modules),
+                           {"format": "pt"})
+
+
+def _check_all_or_no_dora(modules: list[Module]) -> None:
     names = [m.name for m in modules]
     dora = [m.name for m in modules if m.magnitude is not None]
     if dora and len(dora) != len(modules):
@@ -166,10 +179,11 @@ def save_peft(
             f"save_peft: modules {sorted(dora)[:3]} are DoRA weights and {plain[:3]} are not; "
             "PEFT's use_dora applies to every module of an adapter. Make them all DoRA or none "
             "(LoraSpec(dora=...)), or save the two groups as two adapters.")
-    r = _most_common([m.rank for m in modules])
-    alpha = _most_common([m.alpha for m in modules])
-    rank_pattern = {_pattern_key(m.name, names): m.rank for m in modules if m.rank != r}
-    alpha_pattern = {_pattern_key(m.name, names): m.alpha for m in modules if m.alpha != alpha}
+
+
+def _peft_tensors(modules: list[Module]) -> dict[str, np.ndarray]:
+    """PEFT's state dict of the modules, sorted so the file's bytes do not depend on the
+    parameter tree's order."""
     tensors: dict[str, np.ndarray] = {}
     for m in modules:
         if m.kind == "embedding":
@@ -180,24 +194,35 @@ def save_peft(
             tensors[f"{_PREFIX}{m.name}.lora_B.weight"] = m.lora_b
         if m.magnitude is not None:
             tensors[f"{_PREFIX}{m.name}{_MAGNITUDE}"] = m.magnitude
+    return dict(sorted(tensors.items()))
 
-    def number(x: float) -> float | int:
-        return int(x) if float(x).is_integer() else float(x)
 
-    config = {
+def _number(x: float) -> float | int:
+    return int(x) if float(x).is_integer() else float(x)
+
+
+def _peft_config(modules: list[Module], others: set[str], base_model_name_or_path: str | None,
+                 task_type: str | None) -> dict[str, Any]:
+    """PEFT's `adapter_config.json`: the most common rank and alpha, the others by pattern."""
+    names = [m.name for m in modules]
+    r = _most_common([m.rank for m in modules])
+    alpha = _most_common([m.alpha for m in modules])
+    rank_pattern = {_pattern_key(m.name, names): m.rank for m in modules if m.rank != r}
+    alpha_pattern = {_pattern_key(m.name, names): m.alpha for m in modules if m.alpha != alpha}
+    return {
         "peft_type": "LORA",
         "task_type": task_type,
         "base_model_name_or_path": base_model_name_or_path,
         "r": r,
-        "lora_alpha": number(alpha),
-        "target_modules": _target_modules(names, _other_modules(lora_params, module_name)),
+        "lora_alpha": _number(alpha),
+        "target_modules": _target_modules(names, others),
         "rank_pattern": rank_pattern,
-        "alpha_pattern": {k: number(v) for k, v in alpha_pattern.items()},
+        "alpha_pattern": {k: _number(v) for k, v in alpha_pattern.items()},
         "lora_dropout": 0.0,
         "bias": "none",
         "fan_in_fan_out": False,
         "use_rslora": False,
-        "use_dora": bool(dora),
+        "use_dora": any(m.magnitude is not None for m in modules),
         "init_lora_weights": True,
         "inference_mode": True,
         "modules_to_save": None,
@@ -205,14 +230,6 @@ def save_peft(
         "layers_pattern": None,
         "revision": None,
     }
-    # Sorted, so the file's bytes do not depend on the parameter tree's order.
-    tensors = dict(sorted(tensors.items()))
-    if jax.process_index() == 0:
-        os.makedirs(directory, exist_ok=True)
-        with open(os.path.join(directory, CONFIG_NAME), "w") as f:
-            json.dump(config, f, indent=2, sort_keys=True)
-            f.write("\n")
-        _write_safetensors(os.path.join(directory, WEIGHTS_NAME), tensors, {"format": "pt"})
 
 
 def _target_modules(names: list[str], others: set[str]) -> list[str]:
