@@ -102,6 +102,19 @@ def save_peft(
     module of an adapter, so all weights must be DoRA or none). Fully trained (`LORA_FULL`) leaves are not part
     of a PEFT LoRA adapter; [`lorax.save_adapter`][] keeps them.
 
+    The config's `target_modules` is the shortest list that selects exactly the adapted
+    modules under PEFT's rule (an entry selects a module named by it or ending in
+    `"." + entry`): each module's shortest dotted suffix that no other known module
+    ends with, so every layer's `q_proj` is `"q_proj"` and a layer left out brings in
+    `"1.self_attn.q_proj"`-style suffixes or full names only where needed. The known
+    modules are the other leaves of `lora_params` (named by `module_name`, or by
+    default; a `{layer}` template once per layer) and the modules containing any
+    module (`model.layers.0` holds `model.layers.0.mlp.up_proj`): pass the whole
+    parameter tree, since a module save_peft is not shown cannot be left out. A module
+    that no list can single out (`mlp` beside `layers.0.mlp`) makes `target_modules`
+    a regex of the full names. The factors themselves are keyed by full module name,
+    which is what [`lorax.load_peft`][] reads.
+
     Sharded factors are gathered to the host; with several processes every
     process calls `save_peft` and process 0 writes.
 
@@ -159,7 +172,7 @@ def save_peft(
     """
     modules = export_modules("save_peft", lora_params, module_name, layout, dtype)
     _check_all_or_no_dora(modules)
-    others = _other_modules(lora_params, module_name)
+    others = _known_modules(lora_params, module_name, [m.name for m in modules])
     config = _peft_config(modules, others, base_model_name_or_path, task_type)
     if jax.process_index() == 0:
         os.makedirs(directory, exist_ok=True)
@@ -232,35 +245,56 @@ def _peft_config(modules: list[Module], others: set[str], base_model_name_or_pat
     }
 
 
-def _target_modules(names: list[str], others: set[str]) -> list[str]:
-    """The shortest `target_modules` list that selects exactly `names` among `names` and
+def _suffixes(name: str) -> list[str]:
+    """A module name's dotted suffixes, shortest first: what PEFT's list entries match."""
+    parts = name.split(".")
+    return [".".join(parts[i:]) for i in range(len(parts) - 1, -1, -1)]
+
+
+def _target_modules(names: list[str], others: set[str]) -> list[str] | str:
+    """The shortest `target_modules` that selects exactly `names` among `names` and
     `others` under PEFT's rule for a list (a module is selected when its name equals an
-    entry or ends with `"." + entry`): `["q_proj", "v_proj"]` rather than every layer's
-    full name, a longer suffix only where a shorter one would also pick another module."""
-    def selects(entry: str, name: str) -> bool:
-        return name == entry or name.endswith("." + entry)
+    entry or ends with `"." + entry`, i.e. when the entry is a dotted suffix of it):
+    each name's shortest suffix that is no other module's suffix. No list selects
+    `names` with fewer entries (the safe suffixes of a name form a chain, the shortest
+    selecting the most), and none of them is redundant. A name that is itself another
+    module's suffix (`mlp` beside `layers.0.mlp`) cannot be singled out by a list: then
+    a regex of the full names, which PEFT matches against the whole name."""
+    blocked = {suffix for other in others for suffix in _suffixes(other)}
+    if any(name in blocked for name in names):
+        return "|".join(re.escape(name) for name in sorted(names))
+    return sorted({next(s for s in _suffixes(name) if s not in blocked) for name in names})
 
-    chosen = set()
-    for name in names:
-        parts = name.split(".")
-        suffixes = (".".join(parts[i:]) for i in range(len(parts) - 1, -1, -1))
-        chosen.add(next(s for s in suffixes if not any(selects(s, o) for o in others)))
-    return sorted(chosen)
+
+def _known_modules(lora_params: Any, module_name: Any, names: list[str]) -> set[str]:
+    """Every torch module save_peft can name besides the adapted `names`: the other
+    leaves of `lora_params` (by `module_name` where it names them, else by default name;
+    a stacked weight once per layer) and the modules that contain any of them (each
+    dotted prefix: torch's `model.layers.0` holds `model.layers.0.mlp.up_proj`)."""
+    leaves = jax.tree_util.tree_flatten_with_path(lora_params, is_leaf=_engine.is_value)[0]
+    frozen = set()
+    for path, leaf in leaves:
+        if not isinstance(leaf, LoraWeight) and hasattr(leaf, "shape"):
+            frozen |= _frozen_names(module_name, _torch.key_parts(path), tuple(leaf.shape))
+    containers = {name[:i] for name in (*names, *frozen) for i, c in enumerate(name) if c == "."}
+    return (frozen | containers) - set(names)
 
 
-def _other_modules(lora_params: Any, module_name: Any) -> set[str]:
-    """Torch names of the weights in `lora_params` that carry no LoRA (as far as they can
-    be named: default names, or `module_name` where it names them)."""
+def _frozen_names(module_name: Any, parts: list[str], shape: tuple[int, ...]) -> set[str]:
+    """The module name(s) of a weight that carries no LoRA, as far as they can be known:
+    a `{layer}` template once per layer; a callable is asked with `layer=None` (one written
+    for the adapted weights only may fail: then the default name)."""
+    path = "/".join(parts)
+    try:
+        names = _torch.module_name_for("save_peft", module_name, path, parts, None, 0, shape)
+    except Exception:  # noqa: BLE001
+        names = (_torch.default_module_name(parts),)
     out = set()
-    for path, leaf in jax.tree_util.tree_flatten_with_path(lora_params, is_leaf=_engine.is_value)[0]:
-        if isinstance(leaf, LoraWeight) or len(getattr(leaf, "shape", ())) < 2:
-            continue
-        parts = _torch.key_parts(path)
-        try:
-            out.update(_torch.module_name_for("save_peft", module_name, "/".join(parts), parts,
-                                              None, 0, tuple(leaf.shape)))
-        except Exception:  # noqa: BLE001  (a callable written for the adapted weights only)
-            out.add(_torch.default_module_name(parts))
+    for name in map(str, names):
+        if "{layer}" in name:
+            out.update(name.replace("{layer}", str(i)) for i in range(shape[0] if shape else 1))
+        else:
+            out.add(name)
     return out
 
 
