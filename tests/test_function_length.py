@@ -28,8 +28,8 @@ def _docstring_lines(node: ast.AST) -> range:
 def code_lines(lines: list[str], node: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
     """Lines of code of `node` (1-based `lines` of its file), docstring and comments aside."""
     doc = _docstring_lines(node)
-    return sum(1 for i in range(node.lineno, node.end_lineno + 1)
-               if i not in doc and lines[i - 1].strip() and not lines[i - 1].strip().startswith("#"))
+    code = [lines[i - 1].strip() for i in range(node.lineno, node.end_lineno + 1) if i not in doc]
+    return sum(1 for line in code if line and not line.startswith("#"))
 
 
 def has_reason(lines: list[str], node: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
