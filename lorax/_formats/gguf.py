@@ -207,7 +207,8 @@ def _pair(m: Module, t: str, base: _Base, alpha: float,
         want_a, want_b = (m.rank, ne[0]), (ne[1], m.rank)
     if (tuple(lora_a.shape), tuple(lora_b.shape)) != (want_a, want_b):
         raise ValueError(
-            f"save_gguf_lora: module {m.name!r} ({m.path!r}) does not fit {t!r} (ggml "
+            f"save_gguf_lora: module {m.name!r} ({m.path!r}) does not fit {t!r} of "
+            f"{base.file!r} (ggml "
             f"shape {list(ne)}): lora_a {tuple(lora_a.shape)}, lora_b {tuple(lora_b.shape)}; "
             f"expected {want_a} and {want_b}.")
     qk = _QK.match(t)
