@@ -199,15 +199,15 @@ class State:
 
     def __init__(self, state: tuple, keep_init: bool = False):
         self.state = tuple(state)
-        self._init = _own(self.state) if keep_init else None
+        self._init = own(self.state) if keep_init else None
 
     def reset(self) -> None:
         """Back to the initial values (kept with `keep_init`), e.g. for a loss check."""
         if self._init is not None:
-            self.state = _own(self._init)
+            self.state = own(self._init)
 
 
-def _own(tree: Any) -> Any:
+def own(tree: Any) -> Any:
     """A private copy of every array, so that donating it deletes nothing shared."""
     return jax.tree_util.tree_map(lambda a: jax.numpy.array(a, copy=True), tree)
 
@@ -243,6 +243,19 @@ class Call(Timed):
 
     def call(self) -> Any:
         return self.fn(*self.args)
+
+
+def train_step(loss: Callable, opt: Any, with_loss: bool = True) -> Callable:
+    """`step(trainable, opt_state, *rest)`: the gradient of `loss(trainable, *rest)`, one
+    optimizer update; returns `(loss, trainable, opt_state)` (or without the loss)."""
+    import optax
+
+    def step(trainable, opt_state, *rest):
+        value, grads = jax.value_and_grad(loss)(trainable, *rest)
+        updates, opt_state = opt.update(grads, opt_state, trainable)
+        new = optax.apply_updates(trainable, updates)
+        return (value, new, opt_state) if with_loss else (new, opt_state)
+    return step
 
 
 def n_inner(seconds: float, target: float, cap: int = 50) -> int:
@@ -445,17 +458,24 @@ def ratio_axis(axes: Any, log: bool = True) -> None:
         ax.grid(True, which="major", axis="y", alpha=0.3)
 
 
-def target_line(ax: Any, y: float, label: str, color: str = "r", style: str = "--") -> None:
-    """A horizontal reference line with its label written on it, at the right end."""
-    ax.axhline(y, color=color, linewidth=0.9, linestyle=style, zorder=1)
-    ax.annotate(label, xy=(1, y), xycoords=("axes fraction", "data"), xytext=(-2, 2),
-                textcoords="offset points", ha="right", va="bottom", fontsize=8, color=color)
+def target_line(ax: Any, y: float, label: str, color: str = "r", style: str = "--",
+                on_line: bool = True) -> None:
+    """A horizontal reference line, labelled: the label written on the line at its right
+    end, or (`on_line=False`, where data would sit under it) in the figure legend."""
+    ax.axhline(y, color=color, linewidth=0.9, linestyle=style, zorder=1,
+               label=None if on_line else label)
+    if on_line:
+        ax.annotate(label, xy=(1, y), xycoords=("axes fraction", "data"), xytext=(-2, 2),
+                    textcoords="offset points", ha="right", va="bottom", fontsize=8, color=color)
 
 
-def legend_below(fig: Any, ax: Any, ncol: int = 4) -> None:
-    """One legend for the figure, below the panels (off the data)."""
-    handles, labels = ax.get_legend_handles_labels()
-    fig.legend(handles, labels, loc="lower center", ncol=ncol, frameon=False)
+def legend_below(fig: Any, axes: Any, ncol: int = 4) -> None:
+    """One legend for the figure, below the panels (off the data): every label any of
+    `axes` (one or an array) has, once."""
+    handles: dict[str, Any] = {}
+    for ax in getattr(axes, "flat", [axes]):
+        handles.update({label: h for h, label in zip(*ax.get_legend_handles_labels())})
+    fig.legend(handles.values(), handles.keys(), loc="lower center", ncol=ncol, frameon=False)
 
 
 def save(fig: Any, path: Path, legend_rows: int = 1) -> None:

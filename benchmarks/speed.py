@@ -395,7 +395,7 @@ def _plot(rows: list[dict], path: Path) -> None:
     C.ratio_axis(axes)
     for ax in axes[:, 0]:
         ax.set_ylabel("step time / full FT")
-    C.legend_below(fig, axes.flat[0], ncol=3)
+    C.legend_below(fig, axes, ncol=3)
     C.save(fig, path, legend_rows=2)
 
 
