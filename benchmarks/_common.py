@@ -125,6 +125,19 @@ def parser(doc: str, rounds: bool = True, plot: bool = False) -> argparse.Argume
     return p
 
 
+def parse(p: argparse.ArgumentParser, argv: list[str] | None, default: dict | None = None,
+          quick: dict | None = None) -> argparse.Namespace:
+    """Parse `argv`: `out` becomes the (created) output directory; given the benchmark's
+    `default` and `quick` configurations, `cfg` is the one `--quick` picks and `rounds`
+    `--rounds` or `cfg["rounds"]`."""
+    a = p.parse_args(argv)
+    a.out = out_dir(a.out)
+    if default is not None:
+        a.cfg = quick if a.quick else default
+        a.rounds = getattr(a, "rounds", None) or a.cfg.get("rounds")
+    return a
+
+
 def ints(s: str) -> tuple[int, ...]:
     """`"1,8,64"` -> `(1, 8, 64)`."""
     return tuple(int(v) for v in s.split(",") if v)
@@ -245,6 +258,15 @@ class Call(Timed):
         return self.fn(*self.args)
 
 
+class Cell:
+    """Runners measured side by side: `label`, `runners` by name, `n_inner` calls per
+    measurement, `times` by name (one entry per round)."""
+
+    def __init__(self, label: str, runners: dict[str, Timed], n_inner: int = 1):
+        self.label, self.runners, self.n_inner = label, runners, n_inner
+        self.times: dict[str, list[float]] = {n: [] for n in runners}
+
+
 def train_step(loss: Callable, opt: Any, with_loss: bool = True) -> Callable:
     """`step(trainable, opt_state, *rest)`: the gradient of `loss(trainable, *rest)`, one
     optimizer update; returns `(loss, trainable, opt_state)` (or without the loss)."""
@@ -276,6 +298,20 @@ def calibrate(cells: Sequence[Any], target: float, cap: int = 50) -> None:
                 r.warm = r.measure(1)
         c.n_inner = n_inner(min(r.warm for r in c.runners.values()), target, cap)
         c.times = {n: [] for n in c.runners}
+
+
+def measure_cells(tag: str, specs: Iterable[tuple], make: Callable[..., Any], rounds: int,
+                  target: float, cap: int = 50) -> tuple[Clock, list[Any], list[dict[str, Any]]]:
+    """The usual run: `make(*spec)` every cell (each with a `label` and its `runners`),
+    `calibrate`, `interleaved_rounds`; returns the clock, the cells and the raw rows."""
+    clock = Clock(tag)
+    cells = []
+    for spec in specs:
+        cells.append(make(*spec))
+        clock.log(f"compiled {cells[-1].label}")
+    calibrate(cells, target, cap)
+    raw = interleaved_rounds(cells, rounds, tag, lambda c: dict(cell=c.label), clock.t0)
+    return clock, cells, raw
 
 
 def rounds_in(cells: Sequence[Any], budget: float, lo: int, hi: int) -> int:
@@ -399,11 +435,16 @@ def write_results(out: Path, name: str, rows: list[dict[str, Any]], md: Sequence
     write_csv(out / f"{name}.csv", rows)
     if raw is not None:
         write_csv(out / f"{name}_rounds.csv", raw)
-    (out / f"{name}.md").write_text("\n".join([*md, "", machine_note(facts)]) + "\n")
+    write_md(out / f"{name}.md", md, facts)
     if plot is not None:
         replot(out, name, plot)
-    print(f"[{name}] wrote {out / (name + '.md')}", flush=True)
     return out
+
+
+def write_md(path: Path, md: Sequence[str], facts: dict[str, Any] | None = None) -> None:
+    """The lines `md`, then the machine and run `facts` in a collapsed note."""
+    path.write_text("\n".join([*md, "", machine_note(facts)]) + "\n")
+    print(f"[{path.stem}] wrote {path}", flush=True)
 
 
 def replot(out: Path, name: str, plot: Callable[[list[dict[str, Any]], Path], None]) -> Path:
@@ -441,17 +482,17 @@ TICKS = (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1, 1.25, 1.5, 2, 3, 
          20, 30, 50, 100, 200, 500, 1000)
 
 
-def ratio_axis(axes: Any, log: bool = True) -> None:
+def ratio_axis(axes: Any, log: bool = True, ticks: Sequence[float] = TICKS) -> None:
     """Ratio axes (call it after plotting; one axis or an array of them sharing y): log
-    scale labelled with plain numbers, at most about eight of them, a light grid."""
+    scale labelled with plain numbers (from `ticks`), at most about twelve, a light grid."""
     ticker = __import__("matplotlib.ticker").ticker
     axes = list(getattr(axes, "flat", [axes]))
     for ax in axes:
         if log:
             ax.set_yscale("log")
             lo, hi = ax.get_ylim()
-            ticks = [t for t in TICKS if lo <= t <= hi]
-            ax.yaxis.set_major_locator(ticker.FixedLocator(ticks[::1 + len(ticks) // 9]))
+            shown = [t for t in ticks if lo <= t <= hi]
+            ax.yaxis.set_major_locator(ticker.FixedLocator(shown[::1 + len(shown) // 13]))
             ax.yaxis.set_major_formatter(ticker.FormatStrFormatter("%g"))
             ax.yaxis.set_minor_locator(ticker.NullLocator())
             ax.set_ylim(lo, hi)
@@ -459,14 +500,18 @@ def ratio_axis(axes: Any, log: bool = True) -> None:
 
 
 def target_line(ax: Any, y: float, label: str, color: str = "r", style: str = "--",
-                on_line: bool = True) -> None:
-    """A horizontal reference line, labelled: the label written on the line at its right
-    end, or (`on_line=False`, where data would sit under it) in the figure legend."""
+                place: str = "on") -> None:
+    """A horizontal reference line, labelled: `place="on"` writes the label on the line
+    at its right end, `"right"` just outside the axes (where data would sit under it),
+    `"legend"` in the figure legend, `""` not at all (a panel beside a labelled one)."""
     ax.axhline(y, color=color, linewidth=0.9, linestyle=style, zorder=1,
-               label=None if on_line else label)
-    if on_line:
-        ax.annotate(label, xy=(1, y), xycoords=("axes fraction", "data"), xytext=(-2, 2),
-                    textcoords="offset points", ha="right", va="bottom", fontsize=8, color=color)
+               label=label if place == "legend" else None)
+    if place in ("on", "right"):
+        inside = place == "on"
+        ax.annotate(label, xy=(1, y), xycoords=("axes fraction", "data"),
+                    xytext=(-2 if inside else 3, 2 if inside else 0), textcoords="offset points",
+                    ha="right" if inside else "left", va="bottom" if inside else "center",
+                    fontsize=8, color=color, annotation_clip=False)
 
 
 def legend_below(fig: Any, axes: Any, ncol: int = 4) -> None:
@@ -476,6 +521,26 @@ def legend_below(fig: Any, axes: Any, ncol: int = 4) -> None:
     for ax in getattr(axes, "flat", [axes]):
         handles.update({label: h for h, label in zip(*ax.get_legend_handles_labels())})
     fig.legend(handles.values(), handles.keys(), loc="lower center", ncol=ncol, frameon=False)
+
+
+def small_multiples(n: int, ncol: int, panel_height: float = 2.7, **kw: Any) -> tuple[Any, Any]:
+    """A page-wide figure of `n` panels in rows of `ncol` (the unused ones hidden)."""
+    plt = pyplot("plot")
+    nrow = -(-n // ncol)
+    fig, axes = plt.subplots(nrow, ncol, figsize=(WIDTH, panel_height * nrow + 0.6),
+                             squeeze=False, **kw)
+    for ax in axes.flat[n:]:
+        ax.set_visible(False)
+    return fig, axes
+
+
+def finish(fig: Any, axes: Any, path: Path, ylabel: str | None, ncol: int = 3,
+           legend_rows: int = 1) -> None:
+    """`ylabel` on the first column, one legend below the panels, laid out and written."""
+    for ax in axes[:, 0] if ylabel else ():
+        ax.set_ylabel(ylabel)
+    legend_below(fig, axes, ncol)
+    save(fig, path, legend_rows)
 
 
 def save(fig: Any, path: Path, legend_rows: int = 1) -> None:

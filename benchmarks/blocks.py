@@ -760,11 +760,9 @@ MARKERS = dict(lorax="^", hand_einsum="o", hand_2d="s", qwix="x", full_ft="d")
 def _plot(rows: list[dict[str, Any]], path: Path) -> None:
     """Small multiples: a panel per model (columns) and rank (rows), each cell's step
     time over the floor's (1 = the floor), one line per implementation, the target drawn."""
-    plt = C.pyplot("blocks")
     models = [m for m in MODELS if any(r["model"] == m for r in rows)]
     ranks = sorted({r["rank"] for r in rows})
-    fig, axes = plt.subplots(len(ranks), len(models), figsize=(C.WIDTH, 2.6 * len(ranks) + 0.7),
-                             squeeze=False, sharey=True)
+    fig, axes = C.small_multiples(len(ranks) * len(models), len(models), 2.6, sharey=True)
     for (i, k), (j, m) in ((ik, jm) for ik in enumerate(ranks) for jm in enumerate(models)):
         ax, prs = axes[i][j], [r for r in rows if r["model"] == m and r["rank"] == k]
         cells = list(dict.fromkeys((r["d"], r["batch"], r["seq"]) for r in prs))
@@ -773,14 +771,11 @@ def _plot(rows: list[dict[str, Any]], path: Path) -> None:
             ax.plot(range(len(cells)), [by[(*c, n)] for c in cells], marker=MARKERS[n],
                     linestyle=":" if n == "full_ft" else "-", linewidth=0.9, markersize=5,
                     label=n, color={"lorax": "C3", "full_ft": "0.5"}.get(n))
-        C.target_line(ax, 1.25, "target: lorax ≤ 1.25 × floor", on_line=False)
+        C.target_line(ax, 1.25, "target: lorax ≤ 1.25 × floor", place="legend")
         ax.set_xticks(range(len(cells)), [f"d{d}\n{b}x{t}" for d, b, t in cells], fontsize=8)
         ax.set_title(f"{m}, rank {k}")
     C.ratio_axis(axes)
-    for ax in axes[:, 0]:
-        ax.set_ylabel("step time / floor")
-    C.legend_below(fig, axes, ncol=3)
-    C.save(fig, path, legend_rows=2)
+    C.finish(fig, axes, path, "step time / floor", ncol=3, legend_rows=2)
 
 
 if __name__ == "__main__":

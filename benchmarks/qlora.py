@@ -25,9 +25,7 @@ ratio to `dense` paired within each round, medians.
 
 from __future__ import annotations
 
-import argparse
 import sys
-import time
 import warnings
 from pathlib import Path
 from typing import Any, Callable
@@ -244,24 +242,16 @@ def _row(c: Cell, impl: str) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> Path:
     p = C.parser(__doc__, plot=True)
     p.add_argument("--models", default="mlp,scan,nnx", help="comma-separated subset")
-    a = p.parse_args(argv)
-    out = C.out_dir(a.out)
+    a = C.parse(p, argv, DEFAULT, QUICK)
     if a.plot_only:
-        return C.replot(out, "qlora", _plot)
-    cfg = QUICK if a.quick else DEFAULT
-    rounds = a.rounds or cfg["rounds"]
-    clock = C.Clock("qlora")
-    cells = []
-    for model in (m for m in ("mlp", "scan", "nnx") if m in a.models.split(",")):
-        if model == "nnx" and not HAVE_QWIX and not a.quick:
-            print("[qlora] qwix not installed: nnx cells without qwix", flush=True)
-        for d in cfg[model]:
-            cells.append(Cell(model, d))
-            clock.log(f"compiled {cells[-1].label}")
-    C.calibrate(cells, 0.05, cap=20)
-    raw = C.interleaved_rounds(cells, rounds, "qlora", lambda c: dict(cell=c.label), clock.t0)
+        return C.replot(a.out, "qlora", _plot)
+    models = [m for m in ("mlp", "scan", "nnx") if m in a.models.split(",")]
+    if "nnx" in models and not HAVE_QWIX and not a.quick:
+        print("[qlora] qwix not installed: nnx cells without qwix", flush=True)
+    clock, cells, raw = C.measure_cells("qlora", [(m, d) for m in models for d in a.cfg[m]], Cell,
+                                        a.rounds, 0.05, cap=20)
     rows = [_row(c, impl) for c in cells for impl in c.runners]
-    return C.write_results(out, "qlora", rows, _markdown(rows), clock.facts(f"{rounds} rounds"),
+    return C.write_results(a.out, "qlora", rows, _markdown(rows), clock.facts(f"{a.rounds} rounds"),
                            raw, _plot)
 
 
@@ -281,12 +271,11 @@ def _markdown(rows: list[dict]) -> list[str]:
 def _plot(rows: list[dict], path: Path) -> None:
     """Three panels stacked, one per question (arguments, extra temporaries, step time,
     each against dense LoRA), grouped bars per cell, one colour per implementation."""
-    plt = C.pyplot("qlora")
     cells = list(dict.fromkeys((r["model"], r["d"]) for r in rows))
     impls = list(dict.fromkeys(r["impl"] for r in rows))
-    fig, axes = plt.subplots(3, 1, figsize=(C.WIDTH, 8.2), sharex=True)
+    fig, axes = C.small_multiples(3, 1, 2.55, sharex=True)
     width = 0.8 / len(impls)
-    for ax, (key, label, ref) in zip(axes, (
+    for ax, (key, label, ref) in zip(axes[:, 0], (
             ("args_vs_dense", "arguments / dense LoRA", 1.0),
             ("extra_temp_layers", "temporaries beyond dense LoRA\n(d x d layers)", 0.0),
             ("time_vs_dense", "step time / dense LoRA", 1.0))):
@@ -297,11 +286,10 @@ def _plot(rows: list[dict], path: Path) -> None:
         ax.axhline(ref, color="k", lw=0.7)
         ax.set_ylabel(label)
         ax.grid(True, axis="y", alpha=0.3)
-    axes[1].set_yscale("symlog", linthresh=1)
-    axes[1].yaxis.set_major_formatter(plt.matplotlib.ticker.FormatStrFormatter("%g"))
-    axes[-1].set_xticks(range(len(cells)), [f"{m} d{d}" for m, d in cells])
-    C.legend_below(fig, axes, ncol=5)
-    C.save(fig, path, legend_rows=2)
+    axes[1, 0].set_yscale("symlog", linthresh=1)
+    axes[1, 0].yaxis.set_major_formatter(C.pyplot("qlora").matplotlib.ticker.FormatStrFormatter("%g"))
+    axes[-1, 0].set_xticks(range(len(cells)), [f"{m} d{d}" for m, d in cells])
+    C.finish(fig, axes, path, None, ncol=5, legend_rows=2)
 
 
 if __name__ == "__main__":

@@ -27,7 +27,6 @@ batch is the single-device one (1 x seq).
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import importlib.util
 import os
@@ -276,45 +275,56 @@ def measure(name: str, method: str, dtype_name: str, mesh: Mesh | None) -> dict:
 
 
 def markdown(rows: list[dict]) -> str:
-    lines = ["| model | method | dtype | devices | args GiB | temps GiB | peak GiB | "
-             "all-gather GiB | reduce-scatter GiB | all-reduce GiB |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        coll = [f"{r[f'{k}_gib']:.2f}" if f"{k}_gib" in r else "" for k in KINDS[:3]]
-        lines.append(f"| {r['model']} | {r['method']} | {r['dtype']} | {r['devices']} | "
-                     f"{r['args_gib']:.2f} | {r['temps_gib']:.2f} | {r['peak_gib']:.2f} | "
-                     + " | ".join(coll) + " |")
-    return "\n".join(lines)
+    return C.md_table(
+        ["model", "method", "dtype", "devices", "args GiB", "temps GiB", "peak GiB",
+         "all-gather GiB", "reduce-scatter GiB", "all-reduce GiB"],
+        [[r["model"], r["method"], r["dtype"], r["devices"], f"{r['args_gib']:.2f}",
+          f"{r['temps_gib']:.2f}", f"{r['peak_gib']:.2f}",
+          *(f"{r[f'{k}_gib']:.2f}" if r.get(f"{k}_gib", "") != "" else "" for k in KINDS[:3])]
+         for r in rows])
+
+
+METHODS = {"full": "full FT", "lora": "LoRA", "qlora-nf4": "QLoRA\nnf4", "qlora-int8": "QLoRA\nint8"}
+GPUS = ((24e9 / GiB, "24 GB"), (80e9 / GiB, "80 GB"))
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    plt = C.pyplot("scale")
-    if plt is None:
-        return
-    cells = [r for r in rows if r["dtype"] == "bf16"] or rows
-    fig, ax = plt.subplots(figsize=(9, 4))
-    labels = [f"{r['model']}\n{r['method']} x{r['devices']}" for r in cells]
-    ax.bar(range(len(cells)), [r["args_gib"] for r in cells], label="arguments")
-    ax.bar(range(len(cells)), [r["temps_gib"] for r in cells],
-           bottom=[r["args_gib"] for r in cells], label="temporaries")
-    ax.set_xticks(range(len(cells)), labels, rotation=90, fontsize=6)
-    ax.set_yscale("log")
-    ax.set_ylabel("GiB per device")
-    ax.set_title("Compiled training step, per device (bf16 compute)")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    """A panel per model: GiB per device (arguments, temporaries stacked) of each method,
+    on one device and under FSDP over 8, bf16 compute; GPU memory sizes drawn."""
+    rows = [r for r in rows if r["dtype"] == "bf16"] or rows
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    fig, axes = C.small_multiples(len(models), len(models), 3.0, sharey=True)
+    for ax, model in zip(axes[0], models):
+        methods = [m for m in METHODS if any(r["model"] == model and r["method"] == m for r in rows)]
+        for i, devices in enumerate((1, 8)):
+            got = {r["method"]: r for r in rows if r["model"] == model and r["devices"] == devices}
+            xs = [j + (i - 0.5) * 0.38 for j, m in enumerate(methods) if m in got]
+            args = [got[m]["args_gib"] for m in methods if m in got]
+            temps = [got[m]["temps_gib"] for m in methods if m in got]
+            color = "C0" if devices == 1 else "C1"
+            ax.bar(xs, args, 0.36, color=color, label=f"arguments, {'1 device' if devices == 1 else 'FSDP x8, per device'}")
+            ax.bar(xs, temps, 0.36, bottom=args, color=color, alpha=0.45,
+                   label=f"temporaries, {'1 device' if devices == 1 else 'FSDP x8, per device'}")
+        ax.set_xticks(range(len(methods)), [METHODS[m] for m in methods], fontsize=8)
+        ax.set_title(model)
+    for ax in axes[0]:
+        for gib, label in GPUS:
+            C.target_line(ax, gib, label, color="0.3", style=":",
+                          place="right" if ax is axes[0][-1] else "")
+    C.ratio_axis(axes, ticks=(0.1, 0.2, 0.5, 1, 2, 5, 10, 20, 50, 100, 200, 500))
+    C.finish(fig, axes, path, "GiB per device (bf16)", ncol=2, legend_rows=2)
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="a tiny model only")
+    parser = C.parser(__doc__, rounds=False, plot=True)
     parser.add_argument("--models", default="llama-3.2-1b,llama-3-8b,llama-3-70b")
     parser.add_argument("--methods", default="full,lora,qlora-nf4,qlora-int8")
     parser.add_argument("--dtypes", default="f32,bf16")
-    parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
+    out = C.out_dir(args.out)
+    if args.plot_only:
+        C.replot(out, "scale", plot)
+        return C.read_csv(out / "scale.csv")
     models = ["tiny"] if args.quick else args.models.split(",")
     mesh = Mesh(np.array(jax.devices()[:8]), ("fsdp",)) if len(jax.devices()) >= 8 else None
     if mesh is None:
@@ -331,11 +341,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     print(f"[scale] {name} {method} {dtype_name} x{row['devices']}: "
                           f"args {row['args_gib']:.2f} + temps {row['temps_gib']:.2f} GiB "
                           f"({row['compile_s']:.0f} s)", flush=True)
-    out = C.out_dir(args.out)
-    C.write_csv(out / "scale.csv", rows)
-    (out / "scale.md").write_text(
-        "# What fits where (compile only)\n\n" + markdown(rows) + "\n\n" + C.machine_md() + "\n")
-    plot(rows, out / "scale.png")
+    C.write_results(out, "scale", rows, [markdown(rows)], plot=plot)
     return rows
 
 

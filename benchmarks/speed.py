@@ -370,15 +370,10 @@ MARKERS = dict(naive_lora="s", hand_lora="o", lorax_partition="^", lorax_wrap="v
 def _plot(rows: list[dict], path: Path) -> None:
     """Small multiples: one panel per MLP width and one for self-attention, each cell's
     step time over full fine-tuning's, one line per implementation."""
-    plt = C.pyplot("speed")
-    panels = {}
+    panels: dict[tuple, list[dict]] = {}
     for r in rows:
-        key = (r["grid"], r["dim"] if r["grid"] == "mlp" else 0)
-        panels.setdefault(key, []).append(r)
-    ncol = 2 if len(panels) > 1 else 1
-    nrow = math.ceil(len(panels) / ncol)
-    fig, axes = plt.subplots(nrow, ncol, figsize=(C.WIDTH, 2.9 * nrow + 0.6), squeeze=False,
-                             sharey=True)
+        panels.setdefault((r["grid"], r["dim"] if r["grid"] == "mlp" else 0), []).append(r)
+    fig, axes = C.small_multiples(len(panels), 2 if len(panels) > 1 else 1, 2.9, sharey=True)
     impls = [n for n in dict.fromkeys(r["impl"] for r in rows) if n != "full_ft"]
     for ax, ((grid, dim), prs) in zip(axes.flat, panels.items()):
         cells = list(dict.fromkeys((r["batch"], r["seq"], r["dim"], r["rank"]) for r in prs))
@@ -390,13 +385,8 @@ def _plot(rows: list[dict], path: Path) -> None:
         ax.set_xticks(range(len(cells)), [f"b{b}\nk{k}" if grid == "mlp" else f"b{b} s{s}\nd{d} k{k}"
                                           for b, s, d, k in cells], fontsize=8)
         ax.set_title(f"4-layer MLP, d{dim}" if grid == "mlp" else "self-attention")
-    for ax in axes.flat[len(panels):]:
-        ax.set_visible(False)
     C.ratio_axis(axes)
-    for ax in axes[:, 0]:
-        ax.set_ylabel("step time / full FT")
-    C.legend_below(fig, axes, ncol=3)
-    C.save(fig, path, legend_rows=2)
+    C.finish(fig, axes, path, "step time / full FT", ncol=3, legend_rows=2)
 
 
 if __name__ == "__main__":

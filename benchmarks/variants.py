@@ -20,11 +20,9 @@ ratio paired with `lora` within its round, medians. Memory: XLA's compiled
 
 from __future__ import annotations
 
-import argparse
 import sys
-import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -129,25 +127,17 @@ def _specs(cfg: dict, models: list[str], quick: bool) -> list[tuple[str, int, in
 def main(argv: list[str] | None = None) -> Path:
     p = C.parser(__doc__, plot=True)
     p.add_argument("--models", default="mlp,scan", help="comma-separated subset")
-    a = p.parse_args(argv)
-    out = C.out_dir(a.out)
+    a = C.parse(p, argv, DEFAULT, QUICK)
     if a.plot_only:
-        return C.replot(out, "variants", _plot)
-    cfg = QUICK if a.quick else DEFAULT
-    rounds = a.rounds or cfg["rounds"]
-    clock = C.Clock("variants")
-    cells = []
-    for spec in _specs(cfg, a.models.split(","), a.quick):
-        cells.append(Cell(*spec))
-        clock.log(f"compiled {cells[-1].label}")
-    C.calibrate(cells, 0.05, cap=20)
-    raw = C.interleaved_rounds(cells, rounds, "variants", lambda c: dict(cell=c.label), clock.t0)
+        return C.replot(a.out, "variants", _plot)
+    clock, cells, raw = C.measure_cells("variants", _specs(a.cfg, a.models.split(","), a.quick),
+                                        Cell, a.rounds, 0.05, cap=20)
     rows = [dict(model=c.model, batch=c.batch, d=c.d, rank=c.rank, impl=impl,
                  ms=C.median(c.times[impl]) * 1e3,
                  time_vs_lora=C.median(C.paired(c.times[impl], c.times["lora"])),
                  extra_temp_layers=(c.temp[impl] - c.temp["lora"]) / (c.d * c.d * 4))
             for c in cells for impl in IMPLS]
-    return C.write_results(out, "variants", rows, _markdown(rows), clock.facts(f"{rounds} rounds"),
+    return C.write_results(a.out, "variants", rows, _markdown(rows), clock.facts(f"{a.rounds} rounds"),
                            raw, _plot)
 
 
@@ -177,12 +167,8 @@ def _markdown(rows: list[dict]) -> list[str]:
 def _plot(rows: list[dict], path: Path) -> None:
     """Small multiples, a panel per model and rank: each variant's step time over plain
     LoRA's per cell, the 1.15 aim drawn."""
-    plt = C.pyplot("variants")
     panels = list(dict.fromkeys((r["model"], r["rank"]) for r in rows))
-    ncol = min(2, len(panels))
-    nrow = -(-len(panels) // ncol)
-    fig, axes = plt.subplots(nrow, ncol, figsize=(C.WIDTH, 2.6 * nrow + 0.6), squeeze=False,
-                             sharey=True)
+    fig, axes = C.small_multiples(len(panels), min(2, len(panels)), 2.6, sharey=True)
     impls = [i for i in IMPLS if i != "lora"]
     for ax, (model, rank) in zip(axes.flat, panels):
         prs = [r for r in rows if (r["model"], r["rank"]) == (model, rank)]
@@ -193,17 +179,12 @@ def _plot(rows: list[dict], path: Path) -> None:
             ax.bar([j + (i - len(impls) / 2 + 0.5) * width for j in range(len(cells))],
                    [by[(*c, impl)] for c in cells], width, label=impl, color=f"C{i}")
         ax.axhline(1.0, color="k", lw=0.6)
-        C.target_line(ax, 1.15, "aim: 1.15 × plain LoRA", on_line=False)
+        C.target_line(ax, 1.15, "aim: 1.15 × plain LoRA", place="legend")
         ax.set_xticks(range(len(cells)), [f"b{b}\nd{d}" if model == "mlp" else f"d{d}"
                                           for b, d in cells], fontsize=7)
         ax.set_title(f"{model}, rank {rank}")
         ax.grid(True, axis="y", alpha=0.3)
-    for ax in axes.flat[len(panels):]:
-        ax.set_visible(False)
-    for ax in axes[:, 0]:
-        ax.set_ylabel("step time / plain LoRA")
-    C.legend_below(fig, axes, ncol=4)
-    C.save(fig, path, legend_rows=1)
+    C.finish(fig, axes, path, "step time / plain LoRA", ncol=4)
 
 
 if __name__ == "__main__":
