@@ -111,9 +111,11 @@ class Clock:
 # -- the command line --------------------------------------------------------------------------
 
 
-def parser(doc: str, rounds: bool = True, plot: bool = False) -> argparse.ArgumentParser:
+def parser(doc: str, rounds: bool = True, plot: bool = False,
+           models: str | None = None) -> argparse.ArgumentParser:
     """The options every benchmark takes: `--quick`, `--out`, and `--rounds` (timed
-    benchmarks) and `--plot-only` (those with a plot); the description is `doc`'s first line."""
+    benchmarks), `--plot-only` (those with a plot), `--models` (default `models`, for
+    those with several); the description is `doc`'s first line."""
     p = argparse.ArgumentParser(description=doc.strip().split("\n")[0])
     p.add_argument("--quick", action="store_true", help="smoke run: tiny cells, few rounds")
     p.add_argument("--out", default=None, help="output directory (default benchmarks/results)")
@@ -122,6 +124,8 @@ def parser(doc: str, rounds: bool = True, plot: bool = False) -> argparse.Argume
     if plot:
         p.add_argument("--plot-only", action="store_true",
                        help="measure nothing: redraw the plot from the CSV in --out")
+    if models:
+        p.add_argument("--models", default=models, help=f"comma-separated subset of {models}")
     return p
 
 
@@ -404,12 +408,14 @@ def _fmt(v: Any) -> Any:
 
 
 def read_csv(path: Path) -> list[dict[str, Any]]:
-    """Rows as `write_csv` wrote them, numbers parsed back (`True`/`False` stay strings)."""
+    """Rows as `write_csv` wrote them, numbers and `True`/`False` parsed back."""
     with open(path, newline="") as f:
         return [{k: _parse_cell(v) for k, v in r.items()} for r in csv.DictReader(f)]
 
 
 def _parse_cell(v: str) -> Any:
+    if v in ("True", "False"):
+        return v == "True"
     for kind in (int, float):
         try:
             return kind(v)

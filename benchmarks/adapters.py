@@ -291,9 +291,14 @@ def main(argv: list[str] | None = None) -> Path:
     C.interleaved_rounds([c for c, _ in sides], rounds, "adapters/side", lambda c: dict(cell=c.label),
                          clock.t0)
     side_rows = [side_row(c, info) for c, info in sides]
+    C.write_csv(out / "adapters_side.csv", side_rows)
+    C.write_md(out / "adapters.md", _markdown(rows, side_rows), clock.facts(f"{rounds} rounds"))
+    return out
 
+
+def _markdown(rows: list[dict], side_rows: list[dict]) -> list[str]:
     f3 = lambda v: f"{v:.3g}"  # noqa: E731
-    md = [f"Mixed batch: {N_ADAPTERS} adapters, one per example, forward pass. Times are "
+    return [f"Mixed batch: {N_ADAPTERS} adapters, one per example, forward pass. Times are "
           "ratios to the same batch with one adapter (`one`); FLOPs from XLA's cost analysis "
           "of the compiled programs.", "",
           C.md_table(["cell", "mixed ms", "mixed / one", "FLOPs mixed / one", "gather / one",
@@ -310,9 +315,6 @@ def main(argv: list[str] | None = None) -> Path:
                      [[r["cell"], f3(r["together_ms"]), f3(r["together_over_separate"]),
                        f3(r["hand_over_separate"]), f3(r["flops_together_over_separate"]),
                        f3(r["arguments_over_base"]), f3(r["temps_over_base"])] for r in side_rows])]
-    C.write_csv(out / "adapters_side.csv", side_rows)
-    C.write_md(out / "adapters.md", md, clock.facts(f"{rounds} rounds"))
-    return out
 
 
 if __name__ == "__main__":

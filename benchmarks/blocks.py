@@ -528,8 +528,7 @@ def _shapes(s: str) -> tuple[tuple[int, int], ...]:
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
-    p = C.parser(__doc__, plot=True)
-    p.add_argument("--models", default=",".join(MODELS), help=f"comma-separated subset of {MODELS}")
+    p = C.parser(__doc__, plot=True, models=",".join(MODELS))
     p.add_argument("--dims", default=None, help=f"comma-separated d (default {DEFAULT['dims']})")
     p.add_argument("--ranks", default=None, help=f"comma-separated ranks (default {DEFAULT['ranks']})")
     p.add_argument("--shapes", default=None,

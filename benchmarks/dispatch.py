@@ -85,18 +85,21 @@ def main(argv: list[str] | None = None) -> list[dict]:
     number, repeats = (20, 3) if a.quick else (300, 21)
     clock = C.Clock("dispatch")
     rows = measure(a.weights, number, repeats)
+    C.write_results(out, "dispatch", rows, _markdown(rows), clock.facts(
+        f"{a.weights} weights of (16, 16) with rank-2 factors; median of {repeats} repeats of "
+        f"{number} calls, containers interleaved"))
+    return rows
+
+
+def _markdown(rows: list[dict]) -> list[str]:
     get = {(r["function"], r["container"]): r for r in rows}
-    md = [C.md_table(["function", *(f"`{n}` µs/call" for n in CONTAINERS),
+    return [C.md_table(["function", *(f"`{n}` µs/call" for n in CONTAINERS),
                       *(f"`{n}` / `dict`" for n in CONTAINERS if n != "dict")],
                      [[f, *(f"{get[(f, n)]['us_per_call']:.0f}" for n in CONTAINERS),
                        *(f"{get[(f, n)]['ratio_to_dict']:.2f}" for n in CONTAINERS if n != "dict")]
                       for f in ("args", "identity")]),
           "", "Target: `lorax` / `dict` <= 1.5 for a jitted call taking `LoraWeight`s (`args`).",
-          "", __doc__.split("\n\n", 2)[2].strip()]
-    C.write_results(out, "dispatch", rows, md, clock.facts(
-        f"{a.weights} weights of (16, 16) with rank-2 factors; median of {repeats} repeats of "
-        f"{number} calls, containers interleaved"))
-    return rows
+            "", __doc__.split("\n\n", 2)[2].strip()]
 
 
 if __name__ == "__main__":

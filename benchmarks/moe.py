@@ -181,12 +181,15 @@ def main(argv: list[str] | None = None) -> Path:
              for t in a.cfg["tokens"]]
     clock, cells, raw = C.measure_cells("moe", specs, Cell, a.rounds, 0.3, cap=1000)
     rows = [_row(c) for c in cells]
+    return C.write_results(a.out, "moe", rows, _markdown(rows), clock.facts(f"{a.rounds} rounds"), raw)
+
+
+def _markdown(rows: list[dict]) -> list[str]:
     header = ["cell", "lorax ms", "lorax / hand", "lorax / full FT", "lorax / floor",
               "hand / floor", "temps (expert stacks): lorax", "hand", "full FT", "floor"]
     keys = ["lorax_ms", "lorax_over_hand", "lorax_over_full", "lorax_over_floor", "hand_over_floor",
             "temp_lorax_stacks", "temp_hand_stacks", "temp_full_stacks", "temp_floor_stacks"]
-    md = C.md_table(header, [[r["cell"], *(f"{r[k]:.3g}" for k in keys)] for r in rows])
-    return C.write_results(a.out, "moe", rows, [md], clock.facts(f"{a.rounds} rounds"), raw)
+    return [C.md_table(header, [[r["cell"], *(f"{r[k]:.3g}" for k in keys)] for r in rows])]
 
 
 if __name__ == "__main__":

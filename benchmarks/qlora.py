@@ -240,9 +240,7 @@ def _row(c: Cell, impl: str) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> Path:
-    p = C.parser(__doc__, plot=True)
-    p.add_argument("--models", default="mlp,scan,nnx", help="comma-separated subset")
-    a = C.parse(p, argv, DEFAULT, QUICK)
+    a = C.parse(C.parser(__doc__, plot=True, models="mlp,scan,nnx"), argv, DEFAULT, QUICK)
     if a.plot_only:
         return C.replot(a.out, "qlora", _plot)
     models = [m for m in ("mlp", "scan", "nnx") if m in a.models.split(",")]

@@ -105,7 +105,13 @@ def main(argv: list[str] | None = None) -> Path:
     clock = C.Clock("trace_time")
     raw = _measure(a, clock)
     rows = [_row(raw, layers, impl) for layers in a.layers for impl in IMPLS]
-    top = max(a.layers)
+    C.write_csv(out / "trace_time_raw.csv", raw)
+    return C.write_results(out, "trace_time", rows, _markdown(rows),
+                           clock.facts(f"{'--quick, ' if a.quick else ''}{a.reps} repetitions"))
+
+
+def _markdown(rows: list[dict[str, Any]]) -> list[str]:
+    top = max(r["layers"] for r in rows)
     md = [f"### Target: trace time <= 1.2 x hand-written at {top} layers", ""]
     for r in rows:
         if r["layers"] == top and r["impl"] != "hand_lora":
@@ -127,9 +133,7 @@ def main(argv: list[str] | None = None) -> Path:
         "`.compile()`; `CPU` = process CPU time of trace+lower (less sensitive to other "
         "processes' load than wall time). Fresh functions and `jax.clear_caches()` before every "
         "measurement; medians over repetitions; ratios to hand-written paired per repetition."]
-    C.write_csv(out / "trace_time_raw.csv", raw)
-    return C.write_results(out, "trace_time", rows, md,
-                           clock.facts(f"{'--quick, ' if a.quick else ''}{a.reps} repetitions"))
+    return md
 
 
 if __name__ == "__main__":

@@ -125,9 +125,7 @@ def _specs(cfg: dict, models: list[str], quick: bool) -> list[tuple[str, int, in
 
 
 def main(argv: list[str] | None = None) -> Path:
-    p = C.parser(__doc__, plot=True)
-    p.add_argument("--models", default="mlp,scan", help="comma-separated subset")
-    a = C.parse(p, argv, DEFAULT, QUICK)
+    a = C.parse(C.parser(__doc__, plot=True, models="mlp,scan"), argv, DEFAULT, QUICK)
     if a.plot_only:
         return C.replot(a.out, "variants", _plot)
     clock, cells, raw = C.measure_cells("variants", _specs(a.cfg, a.models.split(","), a.quick),
