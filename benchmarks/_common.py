@@ -462,10 +462,11 @@ def replot(out: Path, name: str, plot: Callable[[list[dict[str, Any]], Path], No
 
 
 # -- plots ----------------------------------------------------------------------------------------
-# Drawn for the docs' page width (about 800 px at a 1280 px window): 8 inches wide at
-# 150 dpi, so that 9-point text stays about 12 px tall when the page scales it down.
+# Drawn for the docs' page width: the content column is 688 px wide in a 1280 px window,
+# so a figure WIDTH inches wide shows a point of text as 688 / (72 * WIDTH) px whatever
+# the dpi: at 7.2 inches 9-point tick labels are 12 px, 10-point titles 13 px.
 
-WIDTH = 8.0
+WIDTH = 7.2
 DPI = 150
 
 
@@ -480,7 +481,8 @@ def pyplot(tag: str) -> Any:
     except ImportError:
         print(f"[{tag}] matplotlib not installed: no PNG (pip install matplotlib)", flush=True)
         return None
-    plt.rcParams.update({"font.size": 9, "axes.titlesize": 10, "legend.fontsize": 9})
+    plt.rcParams.update({"font.size": 10, "axes.titlesize": 10, "axes.labelsize": 10,
+                         "legend.fontsize": 9.5, "xtick.labelsize": 9, "ytick.labelsize": 9})
     return plt
 
 
@@ -517,7 +519,33 @@ def target_line(ax: Any, y: float, label: str, color: str = "r", style: str = "-
         ax.annotate(label, xy=(1, y), xycoords=("axes fraction", "data"),
                     xytext=(-2 if inside else 3, 2 if inside else 0), textcoords="offset points",
                     ha="right" if inside else "left", va="bottom" if inside else "center",
-                    fontsize=8, color=color, annotation_clip=False)
+                    fontsize=9, color=color, annotation_clip=False)
+
+
+def group_ticks(ax: Any, groups: Sequence[tuple[str, Sequence[str]]]) -> list[int]:
+    """Categories in groups along x: each its own short tick label, each group's label
+    once beneath its ticks, a light line between groups. Returns the x positions."""
+    xs: list[int] = []
+    labels: list[str] = []
+    for gi, (group, ticks) in enumerate(groups):
+        first = len(xs)
+        xs += range(first, first + len(ticks))
+        labels += ticks
+        if group:
+            ax.annotate(group, xy=((first + len(xs) - 1) / 2, 0), xycoords=("data", "axes fraction"),
+                        xytext=(0, -17), textcoords="offset points", ha="center", va="top")
+        if gi:
+            ax.axvline(first - 0.5, color="0.8", linewidth=0.8, zorder=0)
+    ax.set_xticks(xs, labels)
+    ax.set_xlim(-0.5, len(xs) - 0.5)
+    return xs
+
+
+def plot_groups(ax: Any, xs: Sequence[float], ys: Sequence[float], size: int, **kw: Any) -> None:
+    """One line per group of `size` points (no line across a group boundary), one label."""
+    for g in range(0, len(xs), size):
+        ax.plot(xs[g:g + size], ys[g:g + size], **kw)
+        kw = {**kw, "label": None, "color": ax.get_lines()[-1].get_color()}
 
 
 def legend_below(fig: Any, axes: Any, ncol: int = 4) -> None:

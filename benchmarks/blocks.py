@@ -696,7 +696,7 @@ def _targets(rows: list[dict[str, Any]]) -> list[str]:
 
 
 def _markdown(rows: list[dict[str, Any]], problems: list[str], nnx_without_qwix: bool) -> list[str]:
-    md = [TARGETS_MD, ""] + _targets(rows) + [""]
+    md = ["### Targets", "", TARGETS_MD, ""] + _targets(rows) + [""]
     if nnx_without_qwix:
         md += ["**qwix is not installed**: the `nnx` model runs without `qwix` (no reference "
                "hand-written LoRA there; `pip install qwix`).", ""]
@@ -761,17 +761,19 @@ def _plot(rows: list[dict[str, Any]], path: Path) -> None:
     time over the floor's (1 = the floor), one line per implementation, the target drawn."""
     models = [m for m in MODELS if any(r["model"] == m for r in rows)]
     ranks = sorted({r["rank"] for r in rows})
-    fig, axes = C.small_multiples(len(ranks) * len(models), len(models), 2.6, sharey=True)
+    fig, axes = C.small_multiples(len(ranks) * len(models), len(models), 2.7, sharey=True)
     for (i, k), (j, m) in ((ik, jm) for ik in enumerate(ranks) for jm in enumerate(models)):
         ax, prs = axes[i][j], [r for r in rows if r["model"] == m and r["rank"] == k]
-        cells = list(dict.fromkeys((r["d"], r["batch"], r["seq"]) for r in prs))
         by = {(r["d"], r["batch"], r["seq"], r["impl"]): r["ratio_floor"] for r in prs}
+        ds = list(dict.fromkeys(r["d"] for r in prs))
+        shapes = list(dict.fromkeys((r["batch"], r["seq"]) for r in prs))
+        xs = C.group_ticks(ax, [(f"d at {b}×{t}", [str(d) for d in ds]) for b, t in shapes])
         for n in (n for n in MARKERS if any(r["impl"] == n for r in prs)):
-            ax.plot(range(len(cells)), [by[(*c, n)] for c in cells], marker=MARKERS[n],
-                    linestyle=":" if n == "full_ft" else "-", linewidth=0.9, markersize=5,
-                    label=n, color={"lorax": "C3", "full_ft": "0.5"}.get(n))
+            C.plot_groups(ax, xs, [by[(d, *shape, n)] for shape in shapes for d in ds], len(ds),
+                          marker=MARKERS[n], linestyle=":" if n == "full_ft" else "-",
+                          linewidth=0.9, markersize=5, label=n,
+                          color={"lorax": "C3", "full_ft": "0.5"}.get(n))
         C.target_line(ax, 1.25, "target: lorax ≤ 1.25 × floor", place="legend")
-        ax.set_xticks(range(len(cells)), [f"d{d}\n{b}x{t}" for d, b, t in cells], fontsize=8)
         ax.set_title(f"{m}, rank {k}")
     C.ratio_axis(axes)
     C.finish(fig, axes, path, "step time / floor", ncol=3, legend_rows=2)

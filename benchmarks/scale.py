@@ -284,7 +284,7 @@ def markdown(rows: list[dict]) -> str:
          for r in rows])
 
 
-METHODS = {"full": "full FT", "lora": "LoRA", "qlora-nf4": "QLoRA\nnf4", "qlora-int8": "QLoRA\nint8"}
+METHODS = {"full": "full", "lora": "LoRA", "qlora-nf4": "nf4", "qlora-int8": "int8"}
 GPUS = ((24e9 / GiB, "24 GB"), (80e9 / GiB, "80 GB"))
 
 
@@ -296,22 +296,22 @@ def plot(rows: list[dict], path: Path) -> None:
     fig, axes = C.small_multiples(len(models), len(models), 3.0, sharey=True)
     for ax, model in zip(axes[0], models):
         methods = [m for m in METHODS if any(r["model"] == model and r["method"] == m for r in rows)]
+        pos = dict(zip(methods, C.group_ticks(ax, [("", [METHODS[m]]) for m in methods if "q" not in m]
+                                              + [("QLoRA", [METHODS[m] for m in methods if "q" in m])])))
         for i, devices in enumerate((1, 8)):
             got = {r["method"]: r for r in rows if r["model"] == model and r["devices"] == devices}
-            xs = [j + (i - 0.5) * 0.38 for j, m in enumerate(methods) if m in got]
+            xs = [pos[m] + (i - 0.5) * 0.38 for m in methods if m in got]
             args = [got[m]["args_gib"] for m in methods if m in got]
             temps = [got[m]["temps_gib"] for m in methods if m in got]
-            color = "C0" if devices == 1 else "C1"
-            ax.bar(xs, args, 0.36, color=color, label=f"arguments, {'1 device' if devices == 1 else 'FSDP x8, per device'}")
-            ax.bar(xs, temps, 0.36, bottom=args, color=color, alpha=0.45,
-                   label=f"temporaries, {'1 device' if devices == 1 else 'FSDP x8, per device'}")
-        ax.set_xticks(range(len(methods)), [METHODS[m] for m in methods], fontsize=8)
+            color, where = ("C0", "1 device") if devices == 1 else ("C1", "FSDP x8, per device")
+            ax.bar(xs, args, 0.36, color=color, label=f"arguments, {where}")
+            ax.bar(xs, temps, 0.36, bottom=args, color=color, alpha=0.45, label=f"temporaries, {where}")
         ax.set_title(model)
     for ax in axes[0]:
         for gib, label in GPUS:
             C.target_line(ax, gib, label, color="0.3", style=":",
                           place="right" if ax is axes[0][-1] else "")
-    C.ratio_axis(axes, ticks=(0.1, 0.2, 0.5, 1, 2, 5, 10, 20, 50, 100, 200, 500))
+    C.ratio_axis(axes, ticks=(0.1, 0.3, 1, 3, 10, 30, 100, 300, 1000))
     C.finish(fig, axes, path, "GiB per device (bf16)", ncol=2, legend_rows=2)
 
 

@@ -373,17 +373,18 @@ def _plot(rows: list[dict], path: Path) -> None:
     panels: dict[tuple, list[dict]] = {}
     for r in rows:
         panels.setdefault((r["grid"], r["dim"] if r["grid"] == "mlp" else 0), []).append(r)
-    fig, axes = C.small_multiples(len(panels), 2 if len(panels) > 1 else 1, 2.9, sharey=True)
+    fig, axes = C.small_multiples(len(panels), 2 if len(panels) > 1 else 1, 3.0, sharey=True)
     impls = [n for n in dict.fromkeys(r["impl"] for r in rows) if n != "full_ft"]
     for ax, ((grid, dim), prs) in zip(axes.flat, panels.items()):
-        cells = list(dict.fromkeys((r["batch"], r["seq"], r["dim"], r["rank"]) for r in prs))
         by = {(r["batch"], r["seq"], r["dim"], r["rank"], r["impl"]): r["ratio_ft"] for r in prs}
+        shapes = list(dict.fromkeys((r["batch"], r["seq"], r["dim"]) for r in prs))
+        ranks = sorted({r["rank"] for r in prs})
+        xs = C.group_ticks(ax, [(f"batch {b}" if grid == "mlp" else f"d{d}, {b}x{s}",
+                                 [f"k{k}" for k in ranks]) for b, s, d in shapes])
         for n in impls:
-            ax.plot(range(len(cells)), [by[(*c, n)] for c in cells], marker=MARKERS.get(n, "."),
-                    linewidth=0.9, markersize=5, label=n)
+            C.plot_groups(ax, xs, [by[(*shape, k, n)] for shape in shapes for k in ranks], len(ranks),
+                          marker=MARKERS.get(n, "."), linewidth=0.9, markersize=5, label=n)
         C.target_line(ax, 1.0, "full fine-tuning", color="k")
-        ax.set_xticks(range(len(cells)), [f"b{b}\nk{k}" if grid == "mlp" else f"b{b} s{s}\nd{d} k{k}"
-                                          for b, s, d, k in cells], fontsize=8)
         ax.set_title(f"4-layer MLP, d{dim}" if grid == "mlp" else "self-attention")
     C.ratio_axis(axes)
     C.finish(fig, axes, path, "step time / full FT", ncol=3, legend_rows=2)

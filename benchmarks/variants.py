@@ -166,23 +166,25 @@ def _plot(rows: list[dict], path: Path) -> None:
     """Small multiples, a panel per model and rank: each variant's step time over plain
     LoRA's per cell, the 1.15 aim drawn."""
     panels = list(dict.fromkeys((r["model"], r["rank"]) for r in rows))
-    fig, axes = C.small_multiples(len(panels), min(2, len(panels)), 2.6, sharey=True)
+    fig, axes = C.small_multiples(len(panels), 1, 2.2, sharey=True)
     impls = [i for i in IMPLS if i != "lora"]
     for ax, (model, rank) in zip(axes.flat, panels):
         prs = [r for r in rows if (r["model"], r["rank"]) == (model, rank)]
-        cells = list(dict.fromkeys((r["batch"], r["d"]) for r in prs))
+        batches = list(dict.fromkeys(r["batch"] for r in prs))
+        ds = list(dict.fromkeys(r["d"] for r in prs))
         by = {(r["batch"], r["d"], r["impl"]): r["time_vs_lora"] for r in prs}
+        xs = C.group_ticks(ax, [(f"batch {b}" if model == "mlp" else "8×128 tokens",
+                                 [f"d{d}" for d in ds]) for b in batches])
         width = 0.8 / len(impls)
         for i, impl in enumerate(impls):
-            ax.bar([j + (i - len(impls) / 2 + 0.5) * width for j in range(len(cells))],
-                   [by[(*c, impl)] for c in cells], width, label=impl, color=f"C{i}")
+            ax.bar([x + (i - len(impls) / 2 + 0.5) * width for x in xs],
+                   [by[(b, d, impl)] for b in batches for d in ds], width, label=impl, color=f"C{i}")
         ax.axhline(1.0, color="k", lw=0.6)
         C.target_line(ax, 1.15, "aim: 1.15 × plain LoRA", place="legend")
-        ax.set_xticks(range(len(cells)), [f"b{b}\nd{d}" if model == "mlp" else f"d{d}"
-                                          for b, d in cells], fontsize=7)
+        ax.grid(True, axis="y", alpha=0.3)
         ax.set_title(f"{model}, rank {rank}")
         ax.grid(True, axis="y", alpha=0.3)
-    C.finish(fig, axes, path, "step time / plain LoRA", ncol=4)
+    C.finish(fig, axes, path, "step / plain LoRA", ncol=4)
 
 
 if __name__ == "__main__":
