@@ -375,6 +375,16 @@ def hlo_signature(hlo_text: str) -> collections.Counter[str]:
     return sig
 
 
+DTYPE_BYTES = {"f64": 8, "s64": 8, "u64": 8, "f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2,
+               "s16": 2, "u16": 2, "s8": 1, "u8": 1, "pred": 1}
+
+
+def hlo_bytes(shapes: Iterable[tuple[str, str]]) -> int:
+    """Bytes of HLO shapes given as `(dtype, "d0,d1,...")` pairs (as `f32[8,128]` reads)."""
+    return sum(math.prod(int(v) for v in dims.split(",") if v) * DTYPE_BYTES.get(dtype, 4)
+               for dtype, dims in shapes)
+
+
 def cost(compiled: Any) -> dict[str, float]:
     """XLA's cost analysis of a compiled executable (one dict on every jax version)."""
     c = compiled.cost_analysis()

@@ -461,24 +461,18 @@ _TRANSPOSE = re.compile(r"= \S+ transpose\(")
 _COPY = re.compile(r"= \S+ copy\(")
 _DOT = re.compile(r"= \S+ dot\(")
 _LAYOUT_OP = re.compile(r"= (\w+)\[([\d,]*)\]\S* (?:transpose|copy)\(")
-_ITEMSIZE = {"f64": 8, "s64": 8, "u64": 8, "f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2,
-             "s16": 2, "u16": 2, "s8": 1, "u8": 1, "pred": 1}
 
 
 def _layout_bytes(text: str) -> int:
     """Bytes written by `transpose(` and `copy(` instructions: data moved only to change
     its layout (a transpose fused into a copy counts twice, the same in every step)."""
-    return sum(
-        math.prod(int(v) for v in dims.split(",") if v) * _ITEMSIZE.get(dtype, 4)
-        for dtype, dims in _LAYOUT_OP.findall(text))
+    return C.hlo_bytes(_LAYOUT_OP.findall(text))
 
 
 def hlo_stats(compiled: Any) -> dict[str, float]:
     """flops, bytes accessed (XLA cost analysis) and transpose/copy/dot counts of a
     compiled executable's optimized HLO (see the module docstring for what is counted)."""
-    cost = compiled.cost_analysis()
-    if isinstance(cost, (list, tuple)):
-        cost = cost[0]
+    cost = C.cost(compiled)
     text = compiled.as_text()
     return {
         "flops": float(cost.get("flops", float("nan"))),

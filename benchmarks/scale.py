@@ -216,8 +216,6 @@ def _whole_bytes(tree: Any) -> int:
 
 
 KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all")
-_BYTES = {"f64": 8, "f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2, "s16": 2, "u8": 1,
-          "s8": 1, "pred": 1, "s64": 8, "u64": 8}
 
 
 def _trip_counts(text: str) -> dict[str, int]:
@@ -250,8 +248,7 @@ def collective_bytes(text: str) -> dict[str, int]:
         for kind in KINDS:
             m = re.search(r"= (\(?[^=]*?) %s(?:-start)?\(" % kind, line)
             if m:
-                n = sum(int(np.prod([int(d) for d in dims.split(",") if d] or [1]))
-                        * _BYTES.get(dt, 4) for dt, dims in re.findall(r"(\w+)\[([\d,]*)\]", m.group(1)))
+                n = C.hlo_bytes(re.findall(r"(\w+)\[([\d,]*)\]", m.group(1)))
                 out[kind] += n * times.get(current, 1)
     return out
 
