@@ -13,13 +13,21 @@ device and with FSDP over 8 (simulated) devices:
   all-reduce, all-to-all), read from the compiled HLO, the layer body counted once per
   layer (`while` loops' known trip counts).
 
-Methods: `full` (every weight trained), `lora` (dense frozen base), `qlora-nf4` and
-`qlora-int8` (the frozen weights quantized: every `(in, out)` kernel and the embedding;
-norms stay dense), rank 16 on q, k, v, o, gate, up, down. Dtypes: `f32` (everything
-float32), `bf16` (the base and activations bf16, factors and optimizer state float32;
-full FT in bf16 with bf16 Adam moments). FSDP shards every weight (and its codes,
-factors and moments) along its last axis, the batch along the mesh; per device the
-batch is the single-device one (1 x seq).
+Methods: `full` (every weight trained), `lora` (dense frozen base), `qlora-nf4` (QLoRA's
+recipe: NF4 with double-quantized absmax values) and `qlora-int8` (the frozen weights
+quantized: every `(in, out)` kernel and the embedding; norms stay dense), rank 16 on q,
+k, v, o, gate, up, down. Dtypes: `f32` (everything float32), `bf16` (the base and
+activations bf16, factors and optimizer state float32; full FT in bf16 with bf16 Adam
+moments). Every cell runs the same job, one 1 x seq window. FSDP over 8 devices shards
+every weight (and its codes) along its last axis, each factor along the weight's axis
+or else its own largest one (ZeRO-3: no device holds all the factors or moments), and
+each layer's activations along the sequence.
+
+Attention is the main job's, queries in chunks of 512 (`llama.QUERY_CHUNK`), so no
+`(T, T)` score matrix per head is whole. XLA:CPU has no bf16 arithmetic: a bf16 step
+holds float32 copies of bf16 values that bf16 hardware does not (the dequantized weight
+a dot reads; the scan's saved layer inputs, which a bf16 `dynamic-update-slice` turns
+into one float32 copy of the whole stack).
 
     python -m benchmarks.scale [--quick] [--models llama-3.2-1b,llama-3-8b,llama-3-70b]
                                [--methods full,lora,qlora-nf4,qlora-int8] [--out DIR]
@@ -117,7 +125,9 @@ def build(cfg: Any, method: str, dtype: Any) -> tuple[Any, dict]:
     spec = spec_for(params, method)
     if method.startswith("qlora"):
         qtype = method.split("-")[1]
-        params = jax.eval_shape(lambda p: lorax.quantize(p, spec, qtype, dtype=dtype), params)
+        # QLoRA's recipe: NF4 with its absmax values quantized too (double quantization).
+        params = jax.eval_shape(lambda p: lorax.quantize(
+            p, spec, qtype, dtype=dtype, double_quant=qtype == "nf4"), params)
     if method != "full":
         params = jax.eval_shape(
             lambda p: lorax.init_lora(p, spec, jax.random.PRNGKey(0), dtype=jnp.float32), params)
@@ -135,11 +145,23 @@ def _weight_spec(shape: tuple[int, ...], ways: int) -> P:
     return P()
 
 
+def _largest_axis_spec(shape: tuple[int, ...], ways: int) -> P:
+    axes = [d for d in range(len(shape)) if shape[d] % ways == 0]
+    if not axes:
+        return P()
+    d = max(axes, key=lambda d: shape[d])
+    return P(*[("fsdp" if i == d else None) for i in range(len(shape))])
+
+
 def _place(x: Any, mesh: Mesh) -> Any:
     ways = mesh.size
     if isinstance(x, lorax.LoraWeight):
         spec = _weight_spec(x.shape, ways)
         a_spec, b_spec = factor_specs(spec, x.ndim, x.structure[0], x.axes.m)
+        # ZeRO-3: a factor the weight's layout leaves whole is sharded on its own
+        # largest axis, so no device holds every layer's factors and moments.
+        a_spec, b_spec = (s if s != P(*[None] * len(f.shape)) and any(s) else
+                          _largest_axis_spec(f.shape, ways) for s, f in ((a_spec, x.a), (b_spec, x.b)))
         w = _place_dense_or_quantized(x.w, spec, mesh)
         sds = lambda y, s: jax.ShapeDtypeStruct(y.shape, y.dtype, sharding=NamedSharding(mesh, s))  # noqa: E731
         return lorax.LoraWeight(w, sds(x.a, a_spec), sds(x.b, b_spec), alpha=x.alpha)
@@ -172,10 +194,10 @@ def compile_step(cfg: Any, method: str, dtype: Any, mesh: Mesh | None, seq: int)
             optimizer, lambda s, p: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=p.sharding),
             state, trainable, transform_non_params=lambda s: jax.ShapeDtypeStruct(
                 s.shape, s.dtype, sharding=NamedSharding(mesh, P())))
-    batch = 1 if mesh is None else mesh.size
+    # One 1 x seq window whatever the mesh: FSDP over 8 devices runs the same job.
     windows = jax.ShapeDtypeStruct(
-        (batch, seq + 1), jnp.int32,
-        sharding=None if mesh is None else NamedSharding(mesh, P("fsdp")))
+        (1, seq + 1), jnp.int32,
+        sharding=None if mesh is None else NamedSharding(mesh, P()))
     apply = lorax.lora(lambda p, w: LLAMA.loss(cfg, p, w), on_materialize="allow")
 
     def step(trainable, frozen, opt_state, windows):
@@ -185,20 +207,21 @@ def compile_step(cfg: Any, method: str, dtype: Any, mesh: Mesh | None, seq: int)
         return optax.apply_updates(trainable, updates), opt_state, loss
 
     jitted = jax.jit(step, donate_argnums=(0, 2))
-    with _activations_on_batch(mesh):
+    with _activations_on_sequence(mesh):
         compiled = jitted.lower(trainable, frozen, state, windows).compile()
     return compiled, _whole_bytes((trainable, frozen, state, windows))
 
 
 @contextlib.contextmanager
-def _activations_on_batch(mesh: Mesh | None):
-    """FSDP as it is run: each layer's activations pinned to the batch axis (MaxText's
-    logical-axis rules do this), or XLA's propagation may keep them whole per device."""
+def _activations_on_sequence(mesh: Mesh | None):
+    """Each layer's activations pinned to the sequence axis: the job has one sequence,
+    so its tokens are what the devices split (MaxText's logical-axis rules pin a layer's
+    activations the same way), or XLA's propagation may keep them whole per device."""
     block = LLAMA.block
     if mesh is not None:
-        batch = NamedSharding(mesh, P("fsdp"))
+        tokens = NamedSharding(mesh, P(None, "fsdp"))
         LLAMA.block = lambda cfg, x, layer: jax.lax.with_sharding_constraint(
-            block(cfg, jax.lax.with_sharding_constraint(x, batch), layer), batch)
+            block(cfg, jax.lax.with_sharding_constraint(x, tokens), layer), tokens)
     try:
         yield
     finally:
@@ -303,12 +326,18 @@ def plot(rows: list[dict], path: Path) -> None:
             color, where = ("C0", "1 device") if devices == 1 else ("C1", "FSDP x8, per device")
             ax.bar(xs, args, 0.36, color=color, label=f"arguments, {where}")
             ax.bar(xs, temps, 0.36, bottom=args, color=color, alpha=0.45, label=f"temporaries, {where}")
+            for m in (m for m in methods if m not in got):  # 70B full FT on one device: not run
+                ax.annotate("not run", xy=(pos[m] + (i - 0.5) * 0.38, 0), xycoords=("data", "axes fraction"),
+                            xytext=(0, 4), textcoords="offset points", ha="center", va="bottom",
+                            rotation=90, fontsize=9, color="0.4")
         ax.set_title(model)
     for ax in axes[0]:
         for gib, label in GPUS:
             C.target_line(ax, gib, label, color="0.3", style=":",
                           place="right" if ax is axes[0][-1] else "")
-    C.ratio_axis(axes, ticks=(0.1, 0.3, 1, 3, 10, 30, 100, 300, 1000))
+    axes[0][0].set_yscale("log")
+    axes[0][0].set_ylim(bottom=0.5 * min(r["args_gib"] for r in rows))  # the smallest bar shows
+    C.ratio_axis(axes, ticks=(0.01, 0.03, 0.1, 0.3, 1, 3, 10, 30, 100, 300, 1000))
     C.finish(fig, axes, path, "GiB per device (bf16)", ncol=2, legend_rows=2)
 
 

@@ -105,6 +105,23 @@ def stack_adapters(adapters: Sequence[Any]) -> Any:
     adapters = list(adapters)
     if not adapters:
         raise ValueError("stack_adapters: no adapters given.")
+    flats, treedef = _same_structure(adapters)
+    out = []
+    for j, (path, leaf0) in enumerate(flats[0]):
+        where = path_str(path)
+        leaves = [flat[j][1] for flat in flats]
+        if _is_lora(leaf0):
+            _check_stackable(where, leaves)
+            out.append(_stack_weights(leaves))
+        else:
+            _check_shared(where, leaves)
+            out.append(leaf0)
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def _same_structure(adapters: list[Any]) -> tuple[list[Any], Any]:
+    """Each adapter's flattened `(path, leaf)`s, checked to have adapter 0's structure
+    and LoraWeights at the same key paths."""
     flat0, treedef = jax.tree_util.tree_flatten_with_path(adapters[0], is_leaf=_is_lora)
     flats = [flat0]
     for i, tree in enumerate(adapters[1:], 1):
@@ -121,54 +138,62 @@ def stack_adapters(adapters: Sequence[Any]) -> Any:
                 f"than adapter 0: {diff[:5] or 'the tree structures differ'}. Stacked "
                 "adapters need the same targets (init them from one spec).")
         flats.append(flat)
-    out = []
-    for j, (path, leaf0) in enumerate(flat0):
-        where = path_str(path)
-        leaves = [flat[j][1] for flat in flats]
-        if not _is_lora(leaf0):
-            for i, leaf in enumerate(leaves[1:], 1):
-                if not _same_base(leaf0, leaf):
-                    raise ValueError(f"stack_adapters: {where!r} differs between adapter 0 and "
-                                     f"adapter {i}; stacked adapters share everything but their "
-                                     "factors.")
-            out.append(leaf0)
-            continue
-        for i, lw in enumerate(leaves):
-            if isinstance(lw, DoraWeight):
-                raise ValueError(
-                    f"stack_adapters: {where!r} in adapter {i} is a DoraWeight; DoRA's "
-                    "magnitude and norm are per adapter, which stacks do not carry yet. "
-                    "Merge it (lorax.merge_params) or use plain LoRA adapters.")
-            if ((lw.structure[:2], lw.m_axes) != (leaf0.structure[:2], leaf0.m_axes)
-                    or lw.shape != leaf0.shape):
-                raise ValueError(
-                    f"stack_adapters: {where!r} is factored differently in adapter {i} "
-                    f"(shape {lw.shape}, structure {lw.structure}) than in adapter 0 "
-                    f"(shape {leaf0.shape}, structure {leaf0.structure}).")
-            if not _same_base(leaf0.w, lw.w):
-                raise ValueError(f"stack_adapters: the frozen weight of {where!r} differs between "
-                                 f"adapter 0 and adapter {i}: not the same base.")
-        nb = leaf0.structure[0]
-        k = max(lw.rank for lw in leaves)
-        dtype = jnp.result_type(*(lw.a for lw in leaves))
+    return flats, treedef
 
-        def padded(x: Array, axis: int) -> Array:
-            pad = [(0, 0)] * x.ndim
-            pad[axis] = (0, k - x.shape[axis])
-            return jnp.pad(x.astype(dtype), pad)
 
-        a = [padded(lw.a, nb) for lw in leaves]
-        scales = {lw.scale for lw in leaves}
-        if len(scales) == 1:  # one scale: kept, so an optimizer sees each adapter's own factors
-            scale = scales.pop()
-            b = [padded(lw.b, lw.b.ndim - 1) for lw in leaves]
-        else:  # the stack's scale is 1: each adapter's own scale goes into its b
-            scale = 1.0
-            b = [padded(lw.b * jnp.asarray(lw.scale, lw.b.dtype), lw.b.ndim - 1) for lw in leaves]
-        one = LoraWeight(leaf0.w, a[0], b[0], alpha=scale * k,  # checks the factorisation
-                         m_axes=leaf0.m_axes)
-        out.append(eqx.tree_at(lambda l: (l.a, l.b), one, (jnp.stack(a), jnp.stack(b))))
-    return jax.tree_util.tree_unflatten(treedef, out)
+def _check_shared(where: str, leaves: list[Any]) -> None:
+    """A leaf that is not a LoraWeight is the same in every adapter."""
+    for i, leaf in enumerate(leaves[1:], 1):
+        if not _same_base(leaves[0], leaf):
+            raise ValueError(f"stack_adapters: {where!r} differs between adapter 0 and "
+                             f"adapter {i}; stacked adapters share everything but their "
+                             "factors.")
+
+
+def _check_stackable(where: str, leaves: list[LoraWeight]) -> None:
+    """The adapters' LoraWeights at one key path: plain LoRA, factored alike, one base."""
+    leaf0 = leaves[0]
+    for i, lw in enumerate(leaves):
+        if isinstance(lw, DoraWeight):
+            raise ValueError(
+                f"stack_adapters: {where!r} in adapter {i} is a DoraWeight; DoRA's "
+                "magnitude and norm are per adapter, which stacks do not carry yet. "
+                "Merge it (lorax.merge_params) or use plain LoRA adapters.")
+        if ((lw.structure[:2], lw.m_axes) != (leaf0.structure[:2], leaf0.m_axes)
+                or lw.shape != leaf0.shape):
+            raise ValueError(
+                f"stack_adapters: {where!r} is factored differently in adapter {i} "
+                f"(shape {lw.shape}, structure {lw.structure}) than in adapter 0 "
+                f"(shape {leaf0.shape}, structure {leaf0.structure}).")
+        if not _same_base(leaf0.w, lw.w):
+            raise ValueError(f"stack_adapters: the frozen weight of {where!r} differs between "
+                             f"adapter 0 and adapter {i}: not the same base.")
+
+
+def _stack_weights(leaves: list[LoraWeight]) -> LoraWeight:
+    """One LoraWeight with the adapters' factors stacked on a leading axis, ranks
+    zero-padded to the largest; differing scales are folded into each `b`."""
+    leaf0 = leaves[0]
+    nb = leaf0.structure[0]
+    k = max(lw.rank for lw in leaves)
+    dtype = jnp.result_type(*(lw.a for lw in leaves))
+
+    def padded(x: Array, axis: int) -> Array:
+        pad = [(0, 0)] * x.ndim
+        pad[axis] = (0, k - x.shape[axis])
+        return jnp.pad(x.astype(dtype), pad)
+
+    a = [padded(lw.a, nb) for lw in leaves]
+    scales = {lw.scale for lw in leaves}
+    if len(scales) == 1:  # one scale: kept, so an optimizer sees each adapter's own factors
+        scale = scales.pop()
+        b = [padded(lw.b, lw.b.ndim - 1) for lw in leaves]
+    else:  # the stack's scale is 1: each adapter's own scale goes into its b
+        scale = 1.0
+        b = [padded(lw.b * jnp.asarray(lw.scale, lw.b.dtype), lw.b.ndim - 1) for lw in leaves]
+    one = LoraWeight(leaf0.w, a[0], b[0], alpha=scale * k,  # checks the factorisation
+                     m_axes=leaf0.m_axes)
+    return eqx.tree_at(lambda l: (l.a, l.b), one, (jnp.stack(a), jnp.stack(b)))
 
 
 def _stacked_count(tree: Any) -> int:

@@ -144,3 +144,11 @@ def _factors(p):
 def _step(f, p, ids):
     return lorax.lora(_model)({n: dataclasses.replace(w, a=f[n][0], b=f[n][1])
                                for n, w in p.items()}, ids)
+
+
+@pytest.mark.parametrize("qtype", ["q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "q5_0", "q5_1"])
+def test_a_tensor_with_no_rows_dequantizes_to_an_empty_array(qtype):
+    """A zero-sized tensor in a file (the fuzz test found one) is empty, not a crash."""
+    qa = lorax.QuantizedArray.from_gguf(np.zeros((0, F.get_format(qtype).record.size), np.uint8),
+                                        qtype)
+    assert qa.dequantize().shape == qa.shape and qa.shape[-1] == 0

@@ -42,16 +42,41 @@ def rope(x, theta):
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
+# Queries per attention chunk. Longer sequences attend in chunks of this many queries,
+# each chunk's scores recomputed in the backward pass, so no (T, T) score matrix per head
+# is ever whole: at 2048 tokens the largest attention buffer is a quarter of one.
+QUERY_CHUNK = 512
+
+
 def attention(q, k, v):
-    """Causal grouped-query attention. q: (B, T, H, d); k, v: (B, T, KV, d)."""
+    """Causal grouped-query attention. q: (B, T, H, d); k, v: (B, T, KV, d).
+
+    Each query row's softmax runs over all its keys whether or not the queries are
+    chunked, so chunking changes which buffers exist, not the result. A chunk takes
+    every `n`-th query (strided, not contiguous): each chunk then holds the same share
+    of every stretch of the sequence, so a sequence split across devices stays split
+    in every chunk, and the causal work is the same in each.
+    """
     b, t, h, d = q.shape
+    if t <= QUERY_CHUNK or t % QUERY_CHUNK:
+        return _attend(q, k, v, jnp.arange(t)).reshape(b, t, h * d)
+    n, size = t // QUERY_CHUNK, QUERY_CHUNK
+    chunks = jnp.moveaxis(q.reshape(b, size, n, h, d), 2, 0)  # chunk i: queries i, i + n, ...
+    attend = jax.checkpoint(lambda c: _attend(c[0], k, v, jnp.arange(size) * n + c[1]))
+    out = lax.map(attend, (chunks, jnp.arange(n)))  # (n, B, size, KV, G, d)
+    return jnp.moveaxis(out, 0, 2).reshape(b, t, h * d)
+
+
+def _attend(q, k, v, positions):
+    """Queries at `positions` against every key, causally; `(B, Tq, KV, G, d)` out."""
+    b, tq, h, d = q.shape
     kv = k.shape[2]
-    q = q.reshape(b, t, kv, h // kv, d)
+    q = q.reshape(b, tq, kv, h // kv, d)
     scores = jnp.einsum("btkgd,bskd->bkgts", q, k) / jnp.sqrt(d).astype(q.dtype)
-    causal = jnp.tril(jnp.ones((t, t), bool))
+    causal = positions[:, None] >= jnp.arange(k.shape[1])[None, :]
     scores = jnp.where(causal, scores, jnp.finfo(scores.dtype).min)
     probs = jax.nn.softmax(scores, axis=-1)
-    return jnp.einsum("bkgts,bskd->btkgd", probs, v).reshape(b, t, h * d)
+    return jnp.einsum("bkgts,bskd->btkgd", probs, v)
 
 
 def block(cfg: Config, x, layer):

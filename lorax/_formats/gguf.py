@@ -17,6 +17,7 @@ What llama.cpp reads (convert_lora_to_gguf.py, src/llama-adapter.cpp):
 from __future__ import annotations
 
 import collections
+import dataclasses
 import os
 import re
 from typing import Any, Literal
@@ -25,7 +26,7 @@ import jax
 import numpy as np
 
 from .._files import read_gguf_header
-from ._export import export_modules
+from ._export import Module, export_modules
 
 # Architectures whose q/k rows llama.cpp's converter reorders (LlamaModel.permute).
 _QK_PERMUTED = ("llama",)
@@ -109,8 +110,31 @@ def save_gguf_lora(
             qk_rows="hf")
         ```
     """
-    from .._variants.dora import DoraWeight
+    _refuse_dora(lora_params)
+    gguf = _gguf()
+    if qk_rows not in (None, "hf", "gguf"):
+        raise ValueError(f"save_gguf_lora: qk_rows must be 'hf' or 'gguf', not {qk_rows!r}.")
+    model = _base_model(gguf, base)
+    modules = export_modules("save_gguf_lora", lora_params, module_name, layout, np.float32)
+    alpha = collections.Counter(m.alpha for m in modules).most_common(1)[0][0]
+    tensors: dict[str, np.ndarray] = {}
+    for m in modules:
+        if m.kind == "conv":
+            raise ValueError(f"save_gguf_lora: module {m.name!r} is a conv adapter; llama.cpp "
+                             "LoRA adapters are for matmul and embedding weights.")
+        t = model.tensor_of(m.name)
+        if t in tensors or t + ".lora_a" in tensors:
+            raise ValueError(f"save_gguf_lora: two modules map to tensor {t!r}.")
+        lora_a, lora_b = _pair(m, t, model, alpha, qk_rows)
+        tensors[t + ".lora_a"] = np.ascontiguousarray(lora_a, dtype=dtype)
+        tensors[t + ".lora_b"] = np.ascontiguousarray(lora_b, dtype=dtype)
+    if jax.process_index() == 0:
+        _write(gguf, path, model.arch, alpha, tensors)
+
+
+def _refuse_dora(lora_params: Any) -> None:
     from .._spec import path_str
+    from .._variants.dora import DoraWeight
 
     dora = [path_str(p) for p, x in jax.tree_util.tree_flatten_with_path(
         lora_params, is_leaf=lambda x: isinstance(x, DoraWeight))[0] if isinstance(x, DoraWeight)]
@@ -119,9 +143,35 @@ def save_gguf_lora(
             f"save_gguf_lora: {dora[0]!r} is a DoraWeight; llama.cpp's LoRA adapters have no "
             "DoRA magnitude. Merge it (lorax.merge_params) and convert the merged model, or "
             "export it for PEFT (lorax.save_peft).")
-    gguf = _gguf()
-    if qk_rows not in (None, "hf", "gguf"):
-        raise ValueError(f"save_gguf_lora: qk_rows must be 'hf' or 'gguf', not {qk_rows!r}.")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Base:
+    """What an adapter needs to know of the GGUF model it is for."""
+
+    file: str
+    arch: str
+    shapes: dict[str, tuple[int, ...]]  # tensor name -> ggml dims
+    name_map: Any                       # gguf's torch -> GGUF name table, or None
+    n_head: int | None                  # set where llama.cpp reorders q/k rows
+    n_head_kv: int | None
+
+    def tensor_of(self, name: str) -> str:
+        """The base tensor a module name (torch-style or GGUF) adapts."""
+        if name in self.shapes:
+            return name
+        if name + ".weight" in self.shapes:
+            return name + ".weight"
+        mapped = self.name_map.get_name(name) if self.name_map is not None else None
+        if mapped is not None and mapped + ".weight" in self.shapes:
+            return mapped + ".weight"
+        raise ValueError(
+            f"save_gguf_lora: module {name!r} maps to no tensor of {self.file!r} "
+            f"({self.arch}); expected a torch module name of that architecture or a GGUF "
+            f"tensor name such as {next(iter(self.shapes))!r}.")
+
+
+def _base_model(gguf: Any, base: str | os.PathLike) -> _Base:
     header = read_gguf_header(base, "save_gguf_lora")
     arch = header.value("general.architecture", "str", "save_gguf_lora")
     shapes = {name: t.dims for name, t in header.tensors.items()}  # ggml order
@@ -134,65 +184,48 @@ def save_gguf_lora(
         name_map = gguf.get_tensor_name_map(arch_enum, n_block)
     except StopIteration:
         name_map = None
-
-    def tensor_of(name: str) -> str:
-        if name in shapes:
-            return name
-        if name + ".weight" in shapes:
-            return name + ".weight"
-        mapped = name_map.get_name(name) if name_map is not None else None
-        if mapped is not None and mapped + ".weight" in shapes:
-            return mapped + ".weight"
-        raise ValueError(
-            f"save_gguf_lora: module {name!r} maps to no tensor of {os.fspath(base)!r} "
-            f"({arch}); expected a torch module name of that architecture or a GGUF tensor "
-            f"name such as {next(iter(shapes))!r}.")
-
-    modules = export_modules("save_gguf_lora", lora_params, module_name, layout, np.float32)
-    alpha = collections.Counter(m.alpha for m in modules).most_common(1)[0][0]
     n_head = n_head_kv = None
     if arch in _QK_PERMUTED:
         n_head = header.value(f"{arch}.attention.head_count", "pos_int", "save_gguf_lora")
         n_head_kv = n_head
         if f"{arch}.attention.head_count_kv" in header.metadata:
             n_head_kv = header.value(f"{arch}.attention.head_count_kv", "pos_int", "save_gguf_lora")
+    return _Base(os.fspath(base), arch, shapes, name_map, n_head, n_head_kv)
 
-    tensors: dict[str, np.ndarray] = {}
-    for m in modules:
-        if m.kind == "conv":
-            raise ValueError(f"save_gguf_lora: module {m.name!r} is a conv adapter; llama.cpp "
-                             "LoRA adapters are for matmul and embedding weights.")
-        t = tensor_of(m.name)
-        if t in tensors or t + ".lora_a" in tensors:
-            raise ValueError(f"save_gguf_lora: two modules map to tensor {t!r}.")
-        lora_a, lora_b = m.lora_a, m.lora_b * (m.alpha / alpha)
-        ne = shapes[t]
-        if m.kind == "embedding":
-            # (vocab, dim) table, ggml [dim, vocab]; llama.cpp gathers rows of lora_a.
-            want_a, want_b = (ne[1], m.rank), (ne[0], m.rank)
-            lora_a = lora_a.T
-        else:
-            want_a, want_b = (m.rank, ne[0]), (ne[1], m.rank)
-        if (tuple(lora_a.shape), tuple(lora_b.shape)) != (want_a, want_b):
+
+def _pair(m: Module, t: str, base: _Base, alpha: float,
+          qk_rows: str | None) -> tuple[np.ndarray, np.ndarray]:
+    """A module's `(lora_a, lora_b)` as llama.cpp reads them for base tensor `t`: the
+    file's one alpha folded in, checked against `t`'s shape, q/k rows reordered."""
+    lora_a, lora_b = m.lora_a, m.lora_b * (m.alpha / alpha)
+    ne = base.shapes[t]
+    if m.kind == "embedding":
+        # (vocab, dim) table, ggml [dim, vocab]; llama.cpp gathers rows of lora_a.
+        want_a, want_b = (ne[1], m.rank), (ne[0], m.rank)
+        lora_a = lora_a.T
+    else:
+        want_a, want_b = (m.rank, ne[0]), (ne[1], m.rank)
+    if (tuple(lora_a.shape), tuple(lora_b.shape)) != (want_a, want_b):
+        raise ValueError(
+            f"save_gguf_lora: module {m.name!r} ({m.path!r}) does not fit {t!r} of "
+            f"{base.file!r} (ggml "
+            f"shape {list(ne)}): lora_a {tuple(lora_a.shape)}, lora_b {tuple(lora_b.shape)}; "
+            f"expected {want_a} and {want_b}.")
+    qk = _QK.match(t)
+    if qk and base.n_head is not None:
+        if qk_rows is None:
             raise ValueError(
-                f"save_gguf_lora: module {m.name!r} ({m.path!r}) does not fit {t!r} (ggml "
-                f"shape {list(ne)}): lora_a {tuple(lora_a.shape)}, lora_b {tuple(lora_b.shape)}; "
-                f"expected {want_a} and {want_b}.")
-        qk = _QK.match(t)
-        if qk and n_head is not None:
-            if qk_rows is None:
-                raise ValueError(
-                    f"save_gguf_lora: {os.fspath(base)!r} is a {arch!r} model, whose q/k rows "
-                    f"llama.cpp stores reordered, and module {m.name!r} adapts {t!r}. Say which "
-                    "order the factors were trained in: qk_rows='hf' (the Hugging Face "
-                    "checkpoint's, as PEFT adapters) or qk_rows='gguf' (the GGUF file's rows).")
-            if qk_rows == "hf":
-                lora_b = _permute_rows(lora_b, n_head if qk.group(1) == "q" else n_head_kv)
-        tensors[t + ".lora_a"] = np.ascontiguousarray(lora_a, dtype=dtype)
-        tensors[t + ".lora_b"] = np.ascontiguousarray(lora_b, dtype=dtype)
+                f"save_gguf_lora: {base.file!r} is a {base.arch!r} model, whose q/k rows "
+                f"llama.cpp stores reordered, and module {m.name!r} adapts {t!r}. Say which "
+                "order the factors were trained in: qk_rows='hf' (the Hugging Face "
+                "checkpoint's, as PEFT adapters) or qk_rows='gguf' (the GGUF file's rows).")
+        if qk_rows == "hf":
+            lora_b = _permute_rows(lora_b, base.n_head if qk.group(1) == "q" else base.n_head_kv)
+    return lora_a, lora_b
 
-    if jax.process_index() != 0:
-        return
+
+def _write(gguf: Any, path: str | os.PathLike, arch: str, alpha: float,
+           tensors: dict[str, np.ndarray]) -> None:
     writer = gguf.GGUFWriter(os.fspath(path), arch)
     writer.add_string("general.type", "adapter")
     writer.add_string("adapter.type", "lora")

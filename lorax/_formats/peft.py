@@ -21,7 +21,7 @@ import json
 import math
 import os
 import re
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -34,7 +34,7 @@ from .._spec import LORA_FREEZE, LoraSpec
 from .._variants.dora import DoraWeight
 from .._weight import LoraWeight
 from . import _torch
-from ._export import export_modules
+from ._export import Module, export_modules
 
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
@@ -102,6 +102,19 @@ def save_peft(
     module of an adapter, so all weights must be DoRA or none). Fully trained (`LORA_FULL`) leaves are not part
     of a PEFT LoRA adapter; [`lorax.save_adapter`][] keeps them.
 
+    The config's `target_modules` is the shortest list that selects exactly the adapted
+    modules under PEFT's rule (an entry selects a module named by it or ending in
+    `"." + entry`): each module's shortest dotted suffix that no other known module
+    ends with, so every layer's `q_proj` is `"q_proj"` and a layer left out brings in
+    `"1.self_attn.q_proj"`-style suffixes or full names only where needed. The known
+    modules are the other leaves of `lora_params` (named by `module_name`, or by
+    default; a `{layer}` template once per layer) and the modules containing any
+    module (`model.layers.0` holds `model.layers.0.mlp.up_proj`): pass the whole
+    parameter tree, since a module save_peft is not shown cannot be left out. A module
+    that no list can single out (`mlp` beside `layers.0.mlp`) makes `target_modules`
+    a regex of the full names. The factors themselves are keyed by full module name,
+    which is what [`lorax.load_peft`][] reads.
+
     Sharded factors are gathered to the host; with several processes every
     process calls `save_peft` and process 0 writes.
 
@@ -158,6 +171,19 @@ def save_peft(
         ```
     """
     modules = export_modules("save_peft", lora_params, module_name, layout, dtype)
+    _check_all_or_no_dora(modules)
+    others = _known_modules(lora_params, module_name, [m.name for m in modules])
+    config = _peft_config(modules, others, base_model_name_or_path, task_type)
+    if jax.process_index() == 0:
+        os.makedirs(directory, exist_ok=True)
+        with open(os.path.join(directory, CONFIG_NAME), "w") as f:
+            json.dump(config, f, indent=2, sort_keys=True)
+            f.write("\n")
+        _write_safetensors(os.path.join(directory, WEIGHTS_NAME), _peft_tensors(modules),
+                           {"format": "pt"})
+
+
+def _check_all_or_no_dora(modules: list[Module]) -> None:
     names = [m.name for m in modules]
     dora = [m.name for m in modules if m.magnitude is not None]
     if dora and len(dora) != len(modules):
@@ -166,10 +192,11 @@ def save_peft(
             f"save_peft: modules {sorted(dora)[:3]} are DoRA weights and {plain[:3]} are not; "
             "PEFT's use_dora applies to every module of an adapter. Make them all DoRA or none "
             "(LoraSpec(dora=...)), or save the two groups as two adapters.")
-    r = _most_common([m.rank for m in modules])
-    alpha = _most_common([m.alpha for m in modules])
-    rank_pattern = {_pattern_key(m.name, names): m.rank for m in modules if m.rank != r}
-    alpha_pattern = {_pattern_key(m.name, names): m.alpha for m in modules if m.alpha != alpha}
+
+
+def _peft_tensors(modules: list[Module]) -> dict[str, np.ndarray]:
+    """PEFT's state dict of the modules, sorted so the file's bytes do not depend on the
+    parameter tree's order."""
     tensors: dict[str, np.ndarray] = {}
     for m in modules:
         if m.kind == "embedding":
@@ -180,24 +207,35 @@ def save_peft(
             tensors[f"{_PREFIX}{m.name}.lora_B.weight"] = m.lora_b
         if m.magnitude is not None:
             tensors[f"{_PREFIX}{m.name}{_MAGNITUDE}"] = m.magnitude
+    return dict(sorted(tensors.items()))
 
-    def number(x: float) -> float | int:
-        return int(x) if float(x).is_integer() else float(x)
 
-    config = {
+def _number(x: float) -> float | int:
+    return int(x) if float(x).is_integer() else float(x)
+
+
+def _peft_config(modules: list[Module], others: set[str], base_model_name_or_path: str | None,
+                 task_type: str | None) -> dict[str, Any]:
+    """PEFT's `adapter_config.json`: the most common rank and alpha, the others by pattern."""
+    names = [m.name for m in modules]
+    r = _most_common([m.rank for m in modules])
+    alpha = _most_common([m.alpha for m in modules])
+    rank_pattern = {_pattern_key(m.name, names): m.rank for m in modules if m.rank != r}
+    alpha_pattern = {_pattern_key(m.name, names): m.alpha for m in modules if m.alpha != alpha}
+    return {
         "peft_type": "LORA",
         "task_type": task_type,
         "base_model_name_or_path": base_model_name_or_path,
         "r": r,
-        "lora_alpha": number(alpha),
-        "target_modules": _target_modules(names, _other_modules(lora_params, module_name)),
+        "lora_alpha": _number(alpha),
+        "target_modules": _target_modules(names, others),
         "rank_pattern": rank_pattern,
-        "alpha_pattern": {k: number(v) for k, v in alpha_pattern.items()},
+        "alpha_pattern": {k: _number(v) for k, v in alpha_pattern.items()},
         "lora_dropout": 0.0,
         "bias": "none",
         "fan_in_fan_out": False,
         "use_rslora": False,
-        "use_dora": bool(dora),
+        "use_dora": any(m.magnitude is not None for m in modules),
         "init_lora_weights": True,
         "inference_mode": True,
         "modules_to_save": None,
@@ -205,45 +243,58 @@ def save_peft(
         "layers_pattern": None,
         "revision": None,
     }
-    # Sorted, so the file's bytes do not depend on the parameter tree's order.
-    tensors = dict(sorted(tensors.items()))
-    if jax.process_index() == 0:
-        os.makedirs(directory, exist_ok=True)
-        with open(os.path.join(directory, CONFIG_NAME), "w") as f:
-            json.dump(config, f, indent=2, sort_keys=True)
-            f.write("\n")
-        _write_safetensors(os.path.join(directory, WEIGHTS_NAME), tensors, {"format": "pt"})
 
 
-def _target_modules(names: list[str], others: set[str]) -> list[str]:
-    """The shortest `target_modules` list that selects exactly `names` among `names` and
+def _suffixes(name: str) -> list[str]:
+    """A module name's dotted suffixes, shortest first: what PEFT's list entries match."""
+    parts = name.split(".")
+    return [".".join(parts[i:]) for i in range(len(parts) - 1, -1, -1)]
+
+
+def _target_modules(names: list[str], others: set[str]) -> list[str] | str:
+    """The shortest `target_modules` that selects exactly `names` among `names` and
     `others` under PEFT's rule for a list (a module is selected when its name equals an
-    entry or ends with `"." + entry`): `["q_proj", "v_proj"]` rather than every layer's
-    full name, a longer suffix only where a shorter one would also pick another module."""
-    def selects(entry: str, name: str) -> bool:
-        return name == entry or name.endswith("." + entry)
+    entry or ends with `"." + entry`, i.e. when the entry is a dotted suffix of it):
+    each name's shortest suffix that is no other module's suffix. No list selects
+    `names` with fewer entries (the safe suffixes of a name form a chain, the shortest
+    selecting the most), and none of them is redundant. A name that is itself another
+    module's suffix (`mlp` beside `layers.0.mlp`) cannot be singled out by a list: then
+    a regex of the full names, which PEFT matches against the whole name."""
+    blocked = {suffix for other in others for suffix in _suffixes(other)}
+    if any(name in blocked for name in names):
+        return "|".join(re.escape(name) for name in sorted(names))
+    return sorted({next(s for s in _suffixes(name) if s not in blocked) for name in names})
 
-    chosen = set()
-    for name in names:
-        parts = name.split(".")
-        suffixes = (".".join(parts[i:]) for i in range(len(parts) - 1, -1, -1))
-        chosen.add(next(s for s in suffixes if not any(selects(s, o) for o in others)))
-    return sorted(chosen)
+
+def _known_modules(lora_params: Any, module_name: Any, names: list[str]) -> set[str]:
+    """Every torch module save_peft can name besides the adapted `names`: the other
+    leaves of `lora_params` (by `module_name` where it names them, else by default name;
+    a stacked weight once per layer) and the modules that contain any of them (each
+    dotted prefix: torch's `model.layers.0` holds `model.layers.0.mlp.up_proj`)."""
+    leaves = jax.tree_util.tree_flatten_with_path(lora_params, is_leaf=_engine.is_value)[0]
+    frozen = set()
+    for path, leaf in leaves:
+        if not isinstance(leaf, LoraWeight) and hasattr(leaf, "shape"):
+            frozen |= _frozen_names(module_name, _torch.key_parts(path), tuple(leaf.shape))
+    containers = {name[:i] for name in (*names, *frozen) for i, c in enumerate(name) if c == "."}
+    return (frozen | containers) - set(names)
 
 
-def _other_modules(lora_params: Any, module_name: Any) -> set[str]:
-    """Torch names of the weights in `lora_params` that carry no LoRA (as far as they can
-    be named: default names, or `module_name` where it names them)."""
+def _frozen_names(module_name: Any, parts: list[str], shape: tuple[int, ...]) -> set[str]:
+    """The module name(s) of a weight that carries no LoRA, as far as they can be known:
+    a `{layer}` template once per layer; a callable is asked with `layer=None` (one written
+    for the adapted weights only may fail: then the default name)."""
+    path = "/".join(parts)
+    try:
+        names = _torch.module_name_for("save_peft", module_name, path, parts, None, 0, shape)
+    except Exception:  # noqa: BLE001
+        names = (_torch.default_module_name(parts),)
     out = set()
-    for path, leaf in jax.tree_util.tree_flatten_with_path(lora_params, is_leaf=_engine.is_value)[0]:
-        if isinstance(leaf, LoraWeight) or len(getattr(leaf, "shape", ())) < 2:
-            continue
-        parts = _torch.key_parts(path)
-        try:
-            out.update(_torch.module_name_for("save_peft", module_name, "/".join(parts), parts,
-                                              None, 0, tuple(leaf.shape)))
-        except Exception:  # noqa: BLE001  (a callable written for the adapted weights only)
-            out.add(_torch.default_module_name(parts))
+    for name in map(str, names):
+        if "{layer}" in name:
+            out.update(name.replace("{layer}", str(i)) for i in range(shape[0] if shape else 1))
+        else:
+            out.add(name)
     return out
 
 
@@ -536,10 +587,56 @@ def load_peft(
         raise ValueError(f"{err} (PEFT adapter {directory!r})") from None
 
 
+class _Target(NamedTuple):
+    """A weight of `params` the adapter has modules for, and how torch sees it."""
+
+    leaf: Any                       # the parameter (an array, or a LoraWeight to refill)
+    w: Any                          # its frozen weight
+    path: str
+    parts: list[str]
+    groups: list[tuple[str, ...]]   # module names: one group, or one per layer if stacked
+    stacked: bool
+    layouts: list[str | None]       # the given layout of each module of a group
+    per_shape: tuple[int, ...]      # one layer's shape, in torch's (M..., N...) order
+    m_hint: int | None              # the split a LoraWeight already has
+    m_axes: tuple[int, ...] | None  # a non-contiguous LoraWeight's M axes
+
+
+class _Factors(NamedTuple):
+    """One module's factors as lorax's, for one layer of a target."""
+
+    a: np.ndarray
+    b: np.ndarray
+    m: int               # m_ndim
+    scale: float
+    mag: np.ndarray | None
+    lay: str
+
+
 def _load(directory: str, params: Any, module_name: Any, layout: Any) -> tuple[Any, Any]:
+    """load_peft's pipeline: read and check → map modules to leaves → read each module's
+    factors → assemble stacks → place."""
     config = _read_config(directory)
     modules = _read_modules(directory)
     use_dora = bool(config.get("use_dora"))
+    _check_dora_tensors(modules, use_dora)
+    flat, treedef = jax.tree_util.tree_flatten_with_path(params, is_leaf=_engine.is_value)
+    leaves = [leaf for _, leaf in flat]
+    spec: list[Any] = [LORA_FREEZE] * len(leaves)
+    used: set[str] = set()
+    for i, (key_path, leaf) in enumerate(flat):
+        target = _target(key_path, leaf, module_name, layout, modules, use_dora)
+        if target is None:
+            continue
+        loaded = _read_layers(target, modules, config, use_dora)
+        used.update(n for group in target.groups for n in group if n in modules)
+        leaves[i], spec[i] = _place(target, _assemble(target, loaded, use_dora))
+    _check_all_used(modules, used, flat)
+    return jax.tree_util.tree_unflatten(treedef, leaves), jax.tree_util.tree_unflatten(treedef, spec)
+
+
+def _check_dora_tensors(modules: dict[str, dict[str, Any]], use_dora: bool) -> None:
+    """Every module has a DoRA magnitude if the config says `use_dora`, none otherwise."""
     for name, entry in modules.items():
         if use_dora and "M" not in entry:
             raise ValueError(f"load_peft: the config says use_dora but module {name!r} has no "
@@ -547,131 +644,185 @@ def _load(directory: str, params: Any, module_name: Any, layout: Any) -> tuple[A
         if not use_dora and "M" in entry:
             raise ValueError(f"load_peft: module {name!r} has a DoRA magnitude "
                              f"({_PREFIX}{name}{_MAGNITUDE}) but the config's use_dora is false.")
-    flat, treedef = jax.tree_util.tree_flatten_with_path(params, is_leaf=_engine.is_value)
-    leaves = [leaf for _, leaf in flat]
-    spec: list[Any] = [LORA_FREEZE] * len(leaves)
-    used: set[str] = set()
-    for i, (key_path, leaf) in enumerate(flat):
-        w = leaf.w if isinstance(leaf, LoraWeight) else leaf
-        shape = tuple(getattr(w, "shape", ()))
-        if len(shape) < 2:
+
+
+def _target(key_path: Any, leaf: Any, module_name: Any, layout: Any,
+            modules: dict[str, Any], use_dora: bool) -> _Target | None:
+    """The modules of the adapter that map to `leaf`, or `None` if none does."""
+    w = leaf.w if isinstance(leaf, LoraWeight) else leaf
+    shape = tuple(getattr(w, "shape", ()))
+    if len(shape) < 2:
+        return None
+    parts = _torch.key_parts(key_path)
+    path = "/".join(parts)
+    groups, stacked = _groups(module_name, path, parts, shape, modules)
+    if groups is None:
+        return None
+    given = _torch.given_layout(layout, path, parts)
+    layouts = list(given) if isinstance(given, (tuple, list)) else [given] * len(groups[0])
+    if len(layouts) != len(groups[0]):
+        raise ValueError(f"load_peft: {path!r} maps to {len(groups[0])} modules "
+                         f"{groups[0]} but has {len(layouts)} layouts {tuple(layouts)}.")
+    per_shape = shape[1:] if stacked else shape
+    m_hint, m_axes = None, None
+    if isinstance(leaf, LoraWeight):
+        per_shape, m_hint, m_axes = _existing_split(leaf, path, stacked, use_dora, per_shape)
+    return _Target(leaf, w, path, parts, groups, stacked, layouts, per_shape, m_hint, m_axes)
+
+
+def _existing_split(leaf: LoraWeight, path: str, stacked: bool, use_dora: bool,
+                    per_shape: tuple[int, ...]) -> tuple[tuple[int, ...], int, Any]:
+    """`(per_shape, m_hint, m_axes)` of a LoraWeight being refilled: its factorisation
+    decides where factors that fit two ways go."""
+    n_b_have, m_hint, _ = leaf.structure
+    if n_b_have != int(stacked):
+        raise ValueError(
+            f"load_peft: {path!r} is a LoraWeight with {n_b_have} batch axes but the "
+            f"adapter has {'per-layer modules' if stacked else 'one module'} for it.")
+    if leaf.contiguous:
+        return per_shape, m_hint, None
+    # Torch's 2-D weight is (M..., N...) flattened: read the factors against that order
+    # of `w`'s axes (a Gemma (heads, embed, head_dim) q kernel is torch's
+    # (heads * head_dim, embed) q_proj).
+    if use_dora:
+        raise ValueError(
+            f"load_peft: {path!r} has M axes {leaf.axes.m} and N axes "
+            f"{leaf.axes.n} that are not contiguous; DoRA magnitudes are not "
+            "read onto such a weight.")
+    shape = tuple(leaf.w.shape)
+    return tuple(shape[d] for d in (*leaf.axes.m, *leaf.axes.n)), m_hint, leaf.axes.m
+
+
+def _read_layers(target: _Target, modules: dict[str, Any], config: dict[str, Any],
+                 use_dora: bool) -> dict[int, _Factors]:
+    """Each adapted layer's factors (index 0 for an unstacked weight); a layer the
+    adapter leaves out (PEFT's layers_to_transform) has none."""
+    loaded: dict[int, _Factors] = {}
+    for index, group in enumerate(target.groups):
+        present = [n for n in group if n in modules]
+        if not present:
             continue
-        parts = _torch.key_parts(key_path)
-        path = "/".join(parts)
-        groups, stacked = _groups(module_name, path, parts, shape, modules)
-        if groups is None:
-            continue
-        given = _torch.given_layout(layout, path, parts)
-        givens = list(given) if isinstance(given, (tuple, list)) else [given] * len(groups[0])
-        if len(givens) != len(groups[0]):
-            raise ValueError(f"load_peft: {path!r} maps to {len(groups[0])} modules "
-                             f"{groups[0]} but has {len(givens)} layouts {tuple(givens)}.")
-        per_shape = shape[1:] if stacked else shape
-        m_hint, m_axes = None, None
-        if isinstance(leaf, LoraWeight):  # its factorisation decides where factors could fit two ways
-            n_b_have, m_hint, _ = leaf.structure
-            if n_b_have != int(stacked):
-                raise ValueError(
-                    f"load_peft: {path!r} is a LoraWeight with {n_b_have} batch axes but the "
-                    f"adapter has {'per-layer modules' if stacked else 'one module'} for it.")
-            if not leaf.contiguous:
-                # Torch's 2-D weight is (M..., N...) flattened: read the factors against
-                # that order of `w`'s axes (a Gemma (heads, embed, head_dim) q kernel
-                # is torch's (heads * head_dim, embed) q_proj).
-                if use_dora:
-                    raise ValueError(
-                        f"load_peft: {path!r} has M axes {leaf.axes.m} and N axes "
-                        f"{leaf.axes.n} that are not contiguous; DoRA magnitudes are not "
-                        "read onto such a weight.")
-                m_axes = leaf.axes.m
-                per_shape = tuple(shape[d] for d in (*leaf.axes.m, *leaf.axes.n))
-        loaded: dict[int, tuple[np.ndarray, np.ndarray, int, float]] = {}
-        for index, group in enumerate(groups):
-            present = [n for n in group if n in modules]
-            if not present:
-                continue  # PEFT's layers_to_transform: this layer is not adapted
-            if len(present) < len(group):
-                missing = [n for n in group if n not in modules]
-                raise ValueError(
-                    f"load_peft: {path!r} is one array used by modules {group}; the adapter "
-                    f"adapts {present} but not {missing}, which lorax cannot apply to one array.")
-            got = []
-            for n, g in zip(group, givens):
-                e = modules[n]
-                lay = _load_layout(g, path, parts, e["kind"], n)
-                r_expected = _expected_rank(config, n)
-                if r_expected is not None and e["A"].shape[0] != r_expected:
-                    raise ValueError(f"load_peft: module {n!r} has rank {e['A'].shape[0]} but "
-                                     f"the config says r = {r_expected}.")
-                a, b, m = _factors(n, e, lay, per_shape, path, m_hint)
-                if "base" in e:
-                    _check_base(n, e["base"], lay, w, index if stacked else None, m, path)
-                mag = None
-                if use_dora:
-                    if len(group) > 1:
-                        raise ValueError(
-                            f"load_peft: {path!r} is one array used by modules {group}, each with "
-                            "its own DoRA magnitude over its own input axes; lorax's DoraWeight "
-                            "has one magnitude per array.")
-                    mag = _torch.magnitude_from_torch(lay, e["M"], per_shape, m)
-                    if mag is None:
-                        raise ValueError(
-                            f"load_peft: module {n!r}: its DoRA magnitude has shape "
-                            f"{tuple(e['M'].shape)}; {path!r} (shape {per_shape}, layout {lay!r}) "
-                            f"needs {_torch.magnitude_torch_shape(lay, per_shape, m)}.")
-                got.append((a, b, m, _scale_of(config, n, e["A"].shape[0]), mag, lay))
-                used.add(n)
-            for n, other in zip(group[1:], got[1:]):
-                if other[2] != got[0][2] or not _same_update(
-                        (got[0][0], got[0][1], got[0][3]), (other[0], other[1], other[3]), got[0][2]):
-                    raise ValueError(
-                        f"load_peft: modules {group[0]!r} and {n!r} both map to {path!r} (one "
-                        "array, e.g. a tied embedding) but the adapter gives them different "
-                        "updates, which lorax cannot apply to one array.")
-            loaded[index] = got[0]
-        ms = {m for _, _, m, _, _, _ in loaded.values()}
-        if len(ms) > 1:
-            raise ValueError(f"load_peft: the per-layer modules of {path!r} split its axes "
-                             f"differently: {sorted(ms)}.")
-        m = ms.pop()
-        dtype = np.dtype(w.dtype) if jax.numpy.issubdtype(w.dtype, np.floating) else np.float32
-        lay = next(iter(loaded.values()))[5]
-        if not stacked:
-            a, b, _, scale, mag, _ = loaded[0]
-            n_b, k = 0, a.shape[0]
-            alpha = scale * k
-        else:
-            n_b = 1
-            k = max(a.shape[0] for a, *_ in loaded.values())
-            s_ref = next(iter(loaded.values()))[3]
-            alpha = s_ref * k
-            a_stack = np.zeros((shape[0], k, *per_shape[m:]), dtype)
-            b_stack = np.zeros((shape[0], *per_shape[:m], k), dtype)
-            for layer, (la, lb, _, scale, _, _) in loaded.items():
-                r = la.shape[0]
-                a_stack[layer, :r] = la
-                # One alpha per LoraWeight: a layer's own scale is folded into its b.
-                b_stack[layer, ..., :r] = lb * (scale / s_ref)
-            a, b = a_stack, b_stack
-            mag = None
-            if use_dora:
-                mag = np.stack([loaded[i][4] if i in loaded else _norm(w, i, m, lay)
-                                for i in range(shape[0])]).astype(dtype)
-        if isinstance(leaf, LoraWeight):
-            a_sh, b_sh = _array_sharding(leaf.a), _array_sharding(leaf.b)
-        else:
-            a_sh, b_sh = factor_shardings(w, n_b, m) or (None, None)
-        a = place_host_array(np.asarray(a, dtype), a_sh)
-        b = place_host_array(np.asarray(b, dtype), b_sh)
+        if len(present) < len(group):
+            missing = [n for n in group if n not in modules]
+            raise ValueError(
+                f"load_peft: {target.path!r} is one array used by modules {group}; the adapter "
+                f"adapts {present} but not {missing}, which lorax cannot apply to one array.")
+        got = [_read_module(target, n, modules[n], given, config, use_dora, index, group)
+               for n, given in zip(group, target.layouts)]
+        _check_tied(target.path, group, got)
+        loaded[index] = got[0]
+    return loaded
+
+
+def _read_module(target: _Target, name: str, entry: dict[str, Any], given: str | None,
+                 config: dict[str, Any], use_dora: bool, index: int,
+                 group: tuple[str, ...]) -> _Factors:
+    """One module's factors (and DoRA magnitude) for one layer of `target`, checked
+    against the config's rank and the weight's shape."""
+    path = target.path
+    lay = _load_layout(given, path, target.parts, entry["kind"], name)
+    r_expected = _expected_rank(config, name)
+    if r_expected is not None and entry["A"].shape[0] != r_expected:
+        raise ValueError(f"load_peft: module {name!r} has rank {entry['A'].shape[0]} but "
+                         f"the config says r = {r_expected}.")
+    a, b, m = _factors(name, entry, lay, target.per_shape, path, target.m_hint)
+    if "base" in entry:
+        _check_base(name, entry["base"], lay, target.w, index if target.stacked else None, m, path)
+    mag = None
+    if use_dora:
+        if len(group) > 1:
+            raise ValueError(
+                f"load_peft: {path!r} is one array used by modules {group}, each with "
+                "its own DoRA magnitude over its own input axes; lorax's DoraWeight "
+                "has one magnitude per array.")
+        mag = _torch.magnitude_from_torch(lay, entry["M"], target.per_shape, m)
         if mag is None:
-            leaves[i] = LoraWeight(w, a=a, b=b, alpha=float(alpha), m_axes=m_axes)
-            spec[i] = LoraSpec(int(k), float(alpha), n_b, m, m_axes=m_axes)
-        else:
-            m_sh = _array_sharding(leaf.m) if isinstance(leaf, DoraWeight) else None
-            leaves[i] = DoraWeight(w, a=a, b=b, m=place_host_array(np.asarray(mag, dtype), m_sh),
-                                   alpha=float(alpha))
-            spec[i] = LoraSpec(int(k), float(alpha), n_b, m, dora=True,
-                               input_factor="b" if _torch.output_side(lay) == "a" else "a")
+            raise ValueError(
+                f"load_peft: module {name!r}: its DoRA magnitude has shape "
+                f"{tuple(entry['M'].shape)}; {path!r} (shape {target.per_shape}, layout "
+                f"{lay!r}) needs {_torch.magnitude_torch_shape(lay, target.per_shape, m)}.")
+    return _Factors(a, b, m, _scale_of(config, name, entry["A"].shape[0]), mag, lay)
+
+
+def _check_tied(path: str, group: tuple[str, ...], got: list[_Factors]) -> None:
+    """Modules sharing one array (a tied embedding) must carry the same update."""
+    first = got[0]
+    for n, other in zip(group[1:], got[1:]):
+        if other.m != first.m or not _same_update(
+                (first.a, first.b, first.scale), (other.a, other.b, other.scale), first.m):
+            raise ValueError(
+                f"load_peft: modules {group[0]!r} and {n!r} both map to {path!r} (one "
+                "array, e.g. a tied embedding) but the adapter gives them different "
+                "updates, which lorax cannot apply to one array.")
+
+
+class _Assembled(NamedTuple):
+    """A target's factors as one LoraWeight's, on the host."""
+
+    a: np.ndarray
+    b: np.ndarray
+    mag: np.ndarray | None
+    alpha: float
+    k: int          # rank
+    n_b: int        # batch axes: 1 for a stacked weight
+    m: int          # m_ndim
+    lay: str
+    dtype: Any
+
+
+def _assemble(target: _Target, loaded: dict[int, _Factors], use_dora: bool) -> _Assembled:
+    """The layers' factors as one weight's (stacked: zero for a layer the adapter leaves
+    out, ranks zero-padded to the largest, each layer's scale folded into its `b`)."""
+    ms = {f.m for f in loaded.values()}
+    if len(ms) > 1:
+        raise ValueError(f"load_peft: the per-layer modules of {target.path!r} split its axes "
+                         f"differently: {sorted(ms)}.")
+    m = ms.pop()
+    w = target.w
+    dtype = np.dtype(w.dtype) if jax.numpy.issubdtype(w.dtype, np.floating) else np.float32
+    first = next(iter(loaded.values()))
+    if not target.stacked:
+        k = first.a.shape[0]
+        return _Assembled(first.a, first.b, first.mag, first.scale * k, k, 0, m, first.lay, dtype)
+    n_layers = w.shape[0]
+    k = max(f.a.shape[0] for f in loaded.values())
+    a = np.zeros((n_layers, k, *target.per_shape[m:]), dtype)
+    b = np.zeros((n_layers, *target.per_shape[:m], k), dtype)
+    for layer, f in loaded.items():
+        r = f.a.shape[0]
+        a[layer, :r] = f.a
+        # One alpha per LoraWeight: a layer's own scale is folded into its b.
+        b[layer, ..., :r] = f.b * (f.scale / first.scale)
+    mag = None
+    if use_dora:
+        mag = np.stack([loaded[i].mag if i in loaded else _norm(w, i, m, first.lay)
+                        for i in range(n_layers)]).astype(dtype)
+    return _Assembled(a, b, mag, first.scale * k, k, 1, m, first.lay, dtype)
+
+
+def _place(target: _Target, x: _Assembled) -> tuple[Any, Any]:
+    """The loaded weight and its spec, factors placed as the weight is sharded (or as
+    the LoraWeight being refilled has them)."""
+    leaf, w, m_axes = target.leaf, target.w, target.m_axes
+    if isinstance(leaf, LoraWeight):
+        a_sh, b_sh = _array_sharding(leaf.a), _array_sharding(leaf.b)
+    else:
+        a_sh, b_sh = factor_shardings(w, x.n_b, x.m) or (None, None)
+    a = place_host_array(np.asarray(x.a, x.dtype), a_sh)
+    b = place_host_array(np.asarray(x.b, x.dtype), b_sh)
+    alpha, k = float(x.alpha), int(x.k)
+    if x.mag is None:
+        return (LoraWeight(w, a=a, b=b, alpha=alpha, m_axes=m_axes),
+                LoraSpec(k, alpha, x.n_b, x.m, m_axes=m_axes))
+    m_sh = _array_sharding(leaf.m) if isinstance(leaf, DoraWeight) else None
+    mag = place_host_array(np.asarray(x.mag, x.dtype), m_sh)
+    return (DoraWeight(w, a=a, b=b, m=mag, alpha=alpha),
+            LoraSpec(k, alpha, x.n_b, x.m, dora=True,
+                     input_factor="b" if _torch.output_side(x.lay) == "a" else "a"))
+
+
+def _check_all_used(modules: dict[str, Any], used: set[str], flat: list[Any]) -> None:
+    """Every module of the adapter went onto a parameter."""
     unused = sorted(set(modules) - used)
     if unused:
         names = [_torch.default_module_name(_torch.key_parts(p)) for p, leaf in flat
@@ -680,4 +831,3 @@ def _load(directory: str, params: Any, module_name: Any, layout: Any) -> tuple[A
             f"load_peft: the adapter has module(s) {unused[:5]}{' ...' if len(unused) > 5 else ''} "
             f"that no parameter maps to (a different base model, or module names that differ: "
             f"the parameters' default names look like {names}; pass module_name=).")
-    return jax.tree_util.tree_unflatten(treedef, leaves), jax.tree_util.tree_unflatten(treedef, spec)

@@ -33,6 +33,7 @@ gguf-py's `quants.py`.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -235,13 +236,13 @@ def _rows(x: Array, *shape: int) -> Array:
 
 def _flat(x: Array) -> Array:
     """`(..., a, b)` -> `(..., a * b)`."""
-    return x.reshape(*x.shape[:-2], -1)
+    return x.reshape(*x.shape[:-2], x.shape[-2] * x.shape[-1])  # not -1: zero blocks
 
 
 def _bits(x: Array, groups: int, shifts: np.ndarray, mask: int, rows: int, cols: int) -> Array:
     """Fields `(x >> shift) & mask` of `x`'s bytes in `groups` runs, as `(..., rows, cols)`."""
     f = (_rows(x, groups, 1, x.shape[-1] // groups) >> shifts) & np.uint8(mask)
-    return _rows(f.reshape(*f.shape[:-3], -1), rows, cols)
+    return _rows(f.reshape(*f.shape[:-3], math.prod(f.shape[-3:])), rows, cols)
 
 
 def _scale_min_k4(sc: Array) -> tuple[Array, Array]:

@@ -472,12 +472,33 @@ def _blocks(qa: QuantizedArray, cut: Any) -> QuantizedArray:
 def _trimmed(qa: QuantizedArray, trim: Any) -> Array:
     """The dense value of `qa`'s (already cut) blocks, trimmed by `trim(values, axis)`
     along the block axis, which is then put back in its place."""
+    # A sharded table's cut blocks are gathered as codes, as `_dense_storage` does.
+    mesh = _engine.current_mesh()
+    qa = _rebuild(qa, tuple(None if x is None else gathered(x, mesh) for x in _leaves(qa)))
     v = trim(qa.dequantize_storage(), qa.codes.ndim - 2)
     return jnp.moveaxis(v, -1, qa.ndim + qa.axis)
 
 
+def _one_block_of_bytes(qa: QuantizedArray) -> bool:
+    """One code byte per value and one block over the whole axis (int8's per-channel
+    scales): any range of the axis is that range of code bytes under the same scales,
+    so a cut through the block stays quantized."""
+    fmt = F.get_format(qa.qtype)
+    return (fmt.bits == 8 and fmt.record is None and qa.codes.shape[-2] == 1
+            and qa.scale_scales is None)
+
+
+def _cut_bytes(qa: QuantizedArray, cut: Any, size: int) -> QuantizedArray:
+    codes = cut(qa.codes, qa.codes.ndim - 1)
+    return _rebuild(qa, (codes, *_leaves(qa)[1:]), block_size=size)
+
+
 def _slice_blocks(qa: QuantizedArray, start: int, limit: int, stride: int) -> Any:
     bs, k = qa.block_size, qa.shape[qa.ndim + qa.axis]
+    if _one_block_of_bytes(qa):
+        size = len(range(start, limit, stride))
+        return _cut_bytes(qa, lambda x, ax: lax.slice_in_dim(x, start, limit, stride, axis=ax),
+                          size)
     b0, b1 = start // bs, -(-limit // bs)
     aligned = start % bs == 0 and (limit % bs == 0 or limit == k) and stride == 1
     if aligned and qa.scale_scales is None:  # whole blocks: it stays quantized
@@ -492,6 +513,8 @@ def _dynamic_slice_blocks(qa: QuantizedArray, index: Any, size: int) -> Array:
     n_blocks = k // bs
     n = min(n_blocks, (size - 1) // bs + 2)  # blocks any start can touch
     i = jnp.clip(jnp.asarray(index), 0, k - size)  # dynamic_slice's own clamping
+    if _one_block_of_bytes(qa):
+        return _cut_bytes(qa, lambda x, ax: lax.dynamic_slice_in_dim(x, i, size, axis=ax), size)
     b0 = jnp.minimum(i // bs, n_blocks - n)
     part = _blocks(_single_scales(qa),
                    lambda x, ax: lax.dynamic_slice_in_dim(x, b0, n, axis=ax))

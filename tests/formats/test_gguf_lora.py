@@ -133,7 +133,7 @@ def test_errors_name_the_module(tmp_path, base):
         lorax.save_gguf_lora(out, lp, base, layout=LAYOUT, qk_rows="hf",
                              module_name={**NAMES, "layers/q": "model.layers.{layer}.attn.wq"})
     with pytest.raises(ValueError, match=r"module 'model\.layers\.0\.self_attn\.q_proj' \('layers/k'\) "
-                                         r"does not fit 'blk\.0\.attn_q\.weight' \(ggml shape "
+                                         r"does not fit 'blk\.0\.attn_q\.weight' of '.*' \(ggml shape "
                                          r"\[16, 16\]\): lora_a \(4, 16\), lora_b \(8, 4\); "
                                          r"expected \(4, 16\) and \(16, 4\)"):
         lorax.save_gguf_lora(out, lp, base, layout=LAYOUT, qk_rows="hf",

@@ -6,6 +6,8 @@ main environment has no torch, so the module skips there.
 
 - export: an adapter trained with lorax on `FlaxLlamaForCausalLM` (a HF Flax tree, default
   module names), `lorax.save_peft` -> `peft.PeftModel.from_pretrained` gives lorax's logits;
+  with some layers only adapted, PEFT wraps exactly those modules (target_modules' mix of
+  short names and suffixes, and its regex form);
 - import: an adapter made by PEFT (random A and B, rank/alpha patterns, rsLoRA or not,
   the embedding layers' base weights saved alongside) -> `lorax.load_peft` gives PEFT's logits;
 - conv: `nn.Conv2d` adapters both ways against an equivalent `flax.linen.Conv`;
@@ -30,6 +32,7 @@ import importlib.util
 import json
 import os
 import pathlib
+import re
 import shutil
 import sys
 import time
@@ -223,6 +226,49 @@ def test_export_trained_flax_llama_to_peft(tiny, trained, tmp_path):
     effect = max_diff(got, base)
     report("export: adapter's effect on the torch logits", effect)
     assert effect > 1000 * TOL
+
+
+def test_export_some_layers_only_selects_exactly_them_in_peft(tiny, tmp_path):
+    """q and v in layer 1 only, down in both layers: save_peft's target_modules mixes a
+    short name with layer-1 suffixes, and PEFT wraps exactly the adapted modules."""
+    spec = jax.tree.map(lambda _: lorax.LORA_FREEZE, tiny.params)
+    layers = spec["model"]["layers"]
+    layers["1"]["self_attn"]["q_proj"]["kernel"] = layers["1"]["self_attn"]["v_proj"]["kernel"] = 4
+    for i in ("0", "1"):
+        layers[i]["mlp"]["down_proj"]["kernel"] = 4
+    lp = lorax.init_lora(tiny.params, spec, jax.random.PRNGKey(0), stddev=0.1)
+    lp = jax.tree.map(lambda x: lorax.LoraWeight(x.w, x.a, x.b + 0.05, alpha=x.alpha)
+                      if isinstance(x, lorax.LoraWeight) else x, lp,
+                      is_leaf=lambda x: isinstance(x, lorax.LoraWeight))
+    lorax.save_peft(tmp_path, lp, base_model_name_or_path=str(tiny.dir))
+    config = json.loads((tmp_path / "adapter_config.json").read_text())
+    assert config["target_modules"] == ["1.self_attn.q_proj", "1.self_attn.v_proj", "down_proj"]
+
+    model = peft.PeftModel.from_pretrained(tiny.torch_model(), str(tmp_path)).eval()
+    wrapped = {name.removeprefix("base_model.model.") for name, m in model.named_modules()
+               if isinstance(m, peft.tuners.lora.LoraLayer)}
+    assert wrapped == {"model.layers.1.self_attn.q_proj", "model.layers.1.self_attn.v_proj",
+                       "model.layers.0.mlp.down_proj", "model.layers.1.mlp.down_proj"}
+    got = torch_logits(model, tiny.ids)
+    diff = max_diff(got, np.asarray(tiny.lora_apply(lp, tiny.ids)))
+    report("export, some layers only: PeftModel vs lorax.lora(FlaxLlama)", diff)
+    assert diff <= TOL
+    with model.disable_adapter():
+        assert max_diff(got, torch_logits(model, tiny.ids)) > 1000 * TOL
+    # The regex form save_peft writes when no list can single a module out: the same.
+    config["target_modules"] = "|".join(re.escape(n) for n in sorted(wrapped))
+    (tmp_path / "adapter_config.json").write_text(json.dumps(config))
+    model = peft.PeftModel.from_pretrained(tiny.torch_model(), str(tmp_path)).eval()
+    assert wrapped == {name.removeprefix("base_model.model.") for name, m in model.named_modules()
+                       if isinstance(m, peft.tuners.lora.LoraLayer)}
+    assert max_diff(torch_logits(model, tiny.ids), got) == 0
+    # Negative control: every layer's q_proj by its short name wraps layer 0's too.
+    config["target_modules"] = ["q_proj", "v_proj", "down_proj"]
+    (tmp_path / "adapter_config.json").write_text(json.dumps(config))
+    with pytest.warns(UserWarning, match="missing adapter keys"):
+        model = peft.PeftModel.from_pretrained(tiny.torch_model(), str(tmp_path)).eval()
+    assert isinstance(model.base_model.model.model.layers[0].self_attn.q_proj,
+                      peft.tuners.lora.LoraLayer)
 
 
 # ---------------------------------------------------------------- import: PEFT -> lorax
