@@ -108,6 +108,21 @@ class Clock:
                 "run": f"{run}{', ' if run else ''}{self.elapsed:.0f} s", **extra}
 
 
+def wait_quiet(limit: float, threshold: float, tag: str) -> str:
+    """Wait up to `limit` seconds for the 1-minute load average to drop below `threshold`;
+    says how it went (for the run facts)."""
+    t0 = time.perf_counter()
+    while True:
+        load = float(loadavg().split()[0])
+        if load < threshold:
+            return f"waited {time.perf_counter() - t0:.0f} s for load < {threshold}"
+        if time.perf_counter() - t0 > limit:
+            return (f"**machine not quiet**: 1-minute load {load} after waiting "
+                    f"{time.perf_counter() - t0:.0f} s (threshold {threshold})")
+        print(f"[{tag}] load {load} >= {threshold}, waiting", flush=True)
+        time.sleep(30)
+
+
 # -- the command line --------------------------------------------------------------------------
 
 

@@ -83,19 +83,6 @@ def _label(batch: int, seq: int, dim: int, rank: int) -> str:
     return f"b{batch} {s}d{dim} k{rank}"
 
 
-def _wait_quiet(limit: float, threshold: float) -> str:
-    t0 = time.perf_counter()
-    while True:
-        load = float(C.loadavg().split()[0])
-        if load < threshold:
-            return f"waited {time.perf_counter() - t0:.0f} s for load < {threshold}"
-        if time.perf_counter() - t0 > limit:
-            return (f"**machine not quiet**: 1-minute load {load} after waiting "
-                    f"{time.perf_counter() - t0:.0f} s (threshold {threshold})")
-        print(f"[speed] load {load} >= {threshold}, waiting", flush=True)
-        time.sleep(30)
-
-
 def _pytree_cost(fn: Any, args: tuple, reps: int = 200) -> float:
     """Seconds to flatten a step's arguments and unflatten its outputs in Python: the
     pytree part of jit's per-call dispatch, which grows with custom pytree nodes."""
@@ -227,7 +214,7 @@ def main(argv: list[str] | None = None) -> Path:
         return C.replot(out, "speed", _plot)
     if a.hlo_only:
         return _hlo_only(a, out)
-    waited = _wait_quiet(a.wait_quiet, a.quiet_load) if a.wait_quiet > 0 else ""
+    waited = C.wait_quiet(a.wait_quiet, a.quiet_load, "speed") if a.wait_quiet > 0 else ""
     clock = C.Clock("speed")
     clock.log(f"load average at start: {clock.load_start}")
 
