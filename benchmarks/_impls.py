@@ -40,6 +40,8 @@ from quax.examples.lora import LoraArray
 
 import lorax
 
+from ._common import train_step
+
 IMPLS = (
     "full_ft",
     "naive_lora",
@@ -195,13 +197,8 @@ def build(impl: str, model: Model, weights: dict[str, Any], x: Any, rank: int = 
         def loss(p, x):
             return loss_value(apply(lambda n, h: h @ p[n], x))
 
-        def step(params, st, x):
-            l, g = jax.value_and_grad(loss)(params, x)
-            u, st = opt.update(g, st, params)
-            return l, optax.apply_updates(params, u), st
-
         params = _own(weights, abstract)
-        return Built(impl, step, (params, _init_state(opt, params, abstract)), (x,), donate,
+        return Built(impl, train_step(loss, opt), (params, _init_state(opt, params, abstract)), (x,), donate,
                      loss, (params, x))
 
     if impl == "floor":
@@ -243,14 +240,9 @@ def build(impl: str, model: Model, weights: dict[str, Any], x: Any, rank: int = 
         def loss(fs, fr, x):
             return loss_value(apply(dense_of(fs, fr), x))
 
-        def step(fs, st, fr, x):
-            l, g = jax.value_and_grad(loss)(fs, fr, x)
-            u, st = opt.update(g, st, fs)
-            return l, optax.apply_updates(fs, u), st
-
         fs = _own(factors, abstract)
-        return Built(impl, step, (fs, _init_state(opt, fs, abstract)), (frozen, x), donate,
-                     loss, (fs, frozen, x))
+        return Built(impl, train_step(loss, opt), (fs, _init_state(opt, fs, abstract)),
+                     (frozen, x), donate, loss, (fs, frozen, x))
 
     lora_loss = lorax.lora(
         lambda p, x: loss_value(apply(lambda n, h: h @ p[n], x)), on_materialize="error"
@@ -262,25 +254,14 @@ def build(impl: str, model: Model, weights: dict[str, Any], x: Any, rank: int = 
         def loss(tr, fr, x):
             return lora_loss(lorax.combine(tr, fr), x)
 
-        def step(tr, st, fr, x):
-            l, g = jax.value_and_grad(loss)(tr, fr, x)
-            u, st = opt.update(g, st, tr)
-            return l, optax.apply_updates(tr, u), st
-
         tr = _own(trainable, abstract)
-        return Built(impl, step, (tr, _init_state(opt, tr, abstract)), (frozen, x), donate,
+        return Built(impl, train_step(loss, opt), (tr, _init_state(opt, tr, abstract)), (frozen, x), donate,
                      loss, (tr, frozen, x))
 
     if impl == "lorax_wrap":
         wopt = lorax.wrap_optimizer(optax.adam(LR), spec)
-
-        def step(lp, st, x):
-            l, g = jax.value_and_grad(lora_loss)(lp, x)
-            u, st = wopt.update(g, st, lp)
-            return l, optax.apply_updates(lp, u), st
-
         lp = _own(lp, abstract)
-        return Built(impl, step, (lp, _init_state(wopt, lp, abstract)), (x,), donate,
+        return Built(impl, train_step(lora_loss, wopt), (lp, _init_state(wopt, lp, abstract)), (x,), donate,
                      lora_loss, (lp, x))
 
     if impl == "quax_lora":
@@ -306,14 +287,9 @@ def build(impl: str, model: Model, weights: dict[str, Any], x: Any, rank: int = 
         def loss(fs, fr, x):
             return q_loss(assemble(fs, fr), x)
 
-        def step(fs, st, fr, x):
-            l, g = jax.value_and_grad(loss)(fs, fr, x)
-            u, st = opt.update(g, st, fs)
-            return l, optax.apply_updates(fs, u), st
-
         fs = _own(factors, abstract)
-        return Built(impl, step, (fs, _init_state(opt, fs, abstract)), (frozen, x), donate,
-                     loss, (fs, frozen, x))
+        return Built(impl, train_step(loss, opt), (fs, _init_state(opt, fs, abstract)),
+                     (frozen, x), donate, loss, (fs, frozen, x))
 
     raise ValueError(f"unknown implementation {impl!r}; expected one of {IMPLS}")
 

@@ -31,9 +31,7 @@ and temporaries against the base's bytes.
 
 from __future__ import annotations
 
-import argparse
 import sys
-import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -98,16 +96,8 @@ def ragged_dot_mixed(sizes: jax.Array):
     return dot
 
 
-class Call(C.Timed):
-    def __init__(self, fn: Callable, *args: Any):
-        self.fn, self.args = fn, args
-
-    def call(self) -> Any:
-        return self.fn(*self.args)
-
-
 def mixed_runners(apply: Callable, adapters: list, x: jax.Array, ids: jax.Array,
-                  ragged_ok: bool, batched: Callable | None = None) -> dict[str, Call]:
+                  ragged_ok: bool, batched: Callable | None = None) -> dict[str, C.Call]:
     """`apply(params, one_example)` is vmapped by `mixed_batch`; `batched(params, x)` (default
     `apply`) runs a whole (sub-)batch for `one` and `loop`; `x` is the whole batch."""
     batched = batched or apply
@@ -116,40 +106,38 @@ def mixed_runners(apply: Callable, adapters: list, x: jax.Array, ids: jax.Array,
     sizes = jnp.bincount(ids, length=len(adapters)).astype(jnp.int32)
     per = x.shape[0] // len(adapters)
     runners = {
-        "one": Call(jax.jit(lorax.lora(batched, on_materialize="error")), adapters[0], x),
-        "mixed": Call(jax.jit(lorax.mixed_batch(apply, on_materialize="error")), stack, ids, x),
+        "one": C.Call(jax.jit(lorax.lora(batched, on_materialize="error")), adapters[0], x),
+        "mixed": C.Call(jax.jit(lorax.mixed_batch(apply, on_materialize="error")), stack, ids, x),
     }
 
     def gather(stack, ids, x):
         sel = lorax.select_adapters(stack, ids)
         f = lorax.lora(apply, on_materialize="error")
         return jax.vmap(f, in_axes=(lorax.adapter_axes(sel), 0))(sel, x)
-    runners["gather"] = Call(jax.jit(gather), stack, ids, x)
+    runners["gather"] = C.Call(jax.jit(gather), stack, ids, x)
     if ragged_ok:
         def ragged(stack, x, order, sizes):
             y = mlp(stack, x[order], ragged_dot_mixed(sizes))
             return jnp.zeros_like(y).at[order].set(y)
-        runners["ragged"] = Call(jax.jit(ragged), stack, x, order, sizes)
+        runners["ragged"] = C.Call(jax.jit(ragged), stack, x, order, sizes)
 
     def loop(adapters, x, order):
         f = lorax.lora(batched, on_materialize="error")
         xs = x[order].reshape(len(adapters), per, *x.shape[1:])
         y = jnp.concatenate([f(a, xs[i]) for i, a in enumerate(adapters)])
         return jnp.zeros_like(y).at[order].set(y)
-    runners["loop"] = Call(jax.jit(loop), adapters, x, order)
+    runners["loop"] = C.Call(jax.jit(loop), adapters, x, order)
     return runners
 
 
 class MixedCell:
-    def __init__(self, label: str, runners: dict[str, Call], n_inner: int | None = None):
+    """Runners timed side by side, at most `cap` calls per measurement (~0.3 s)."""
+
+    def __init__(self, label: str, runners: dict[str, C.Timed], cap: int = 1000):
         self.label, self.runners = label, runners
-        self.times = {k: [] for k in runners}
-        for r in runners.values():
-            r.measure(1)  # compile
-        first = next(iter(runners.values()))
-        self.n_inner = n_inner or max(1, int(0.3 / first.measure(2)))
-        self.flops = ({k: flops(r.fn, *r.args) for k, r in runners.items()}
-                      if all(isinstance(r, Call) for r in runners.values()) else {})
+        C.calibrate([self], 0.3, cap)
+        self.flops = ({k: C.flops(r.fn, *r.args) for k, r in runners.items()}
+                      if all(isinstance(r, C.Call) for r in runners.values()) else {})
 
 
 def mlp_mixed_cell(d: int, rank: int, batch: int) -> MixedCell:
@@ -174,7 +162,7 @@ def llama_mixed_cell(batch: int, seq: int = 16, rank: int = 8, loaded: Any = Non
     runners = mixed_runners(one, adapters, tokens, ids, False,
                             batched=lambda p, t: llama.logits(cfg, p, t))
     shape = "one token each (decode-shaped)" if seq == 1 else f"{seq} tokens each"
-    return MixedCell(f"SmolLM2-135M b{batch}, {shape}, k{rank}", runners, n_inner=1)
+    return MixedCell(f"SmolLM2-135M b{batch}, {shape}, k{rank}", runners, cap=1)
 
 
 def load_llama() -> tuple[Any, dict]:
@@ -185,13 +173,6 @@ def load_llama() -> tuple[Any, dict]:
 
 
 # -- side by side ---------------------------------------------------------------------------------
-
-
-def flops(jitted: Any, *args: Any) -> float:
-    """The compiled program's floating-point operation count (XLA's cost analysis)."""
-    cost = jitted.lower(*args).compile().cost_analysis()
-    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-    return float(cost["flops"])
 
 
 def side_cell(d: int, rank: int, batch: int, same: bool = False) -> tuple[MixedCell, dict]:
@@ -208,10 +189,8 @@ def side_cell(d: int, rank: int, batch: int, same: bool = False) -> tuple[MixedC
     opt = optax.inject_hyperparams(optax.adam)(learning_rate=1e-3)
     f = lorax.lora(mlp, on_materialize="error")
 
-    def step(trainable, opt_state, frozen, x, y):
-        grads = jax.grad(lambda t: jnp.mean((f(lorax.combine(t, frozen), x) - y) ** 2))(trainable)
-        updates, opt_state = opt.update(grads, opt_state, trainable)
-        return optax.apply_updates(trainable, updates), opt_state
+    step = C.train_step(lambda t, frozen, x, y: jnp.mean((f(lorax.combine(t, frozen), x) - y) ** 2),
+                        opt, with_loss=False)
 
     def init(trainable, lr):
         state = opt.init(trainable)
@@ -232,13 +211,6 @@ def side_cell(d: int, rank: int, batch: int, same: bool = False) -> tuple[MixedC
         t, fr = lorax.partition(a, spec)
         singles.append([t, init(t, lrs[i]), fr])
 
-    class Together(C.Timed):
-        def __init__(self):
-            self.state = (trainable, states)
-
-        def call(self) -> Any:
-            self.state = together(*self.state, frozen, *data)
-            return self.state[0]
 
     # Hand-written LoRA side by side: the same step on (b, a) pairs, vmapped the same way.
     ws = [params[f"l{i}"] for i in range(len(params))]
@@ -252,21 +224,11 @@ def side_cell(d: int, rank: int, batch: int, same: bool = False) -> tuple[MixedC
             return x @ ws[int(name[1:])] + (x @ b) @ a * scale
         return mlp({n: n for n in params}, x, dot)
 
-    def hand_step(fs, opt_state, x, y):
-        grads = jax.grad(lambda f: jnp.mean((hand_mlp(f, x) - y) ** 2))(fs)
-        updates, opt_state = opt.update(grads, opt_state, fs)
-        return optax.apply_updates(fs, updates), opt_state
+    hand_step = C.train_step(lambda f, x, y: jnp.mean((hand_mlp(f, x) - y) ** 2), opt,
+                             with_loss=False)
 
     hand_states = jax.tree.map(jnp.copy, jax.vmap(init)(hand_f, lrs))  # donated: own buffers
     hand = jax.jit(jax.vmap(hand_step, in_axes=(0, 0, data_axis, data_axis)), donate_argnums=(0, 1))
-
-    class Hand(C.Timed):
-        def __init__(self):
-            self.state = (hand_f, hand_states)
-
-        def call(self) -> Any:
-            self.state = hand(*self.state, *data)
-            return self.state[0]
 
     class Separate(C.Timed):
         def call(self) -> Any:
@@ -275,10 +237,12 @@ def side_cell(d: int, rank: int, batch: int, same: bool = False) -> tuple[MixedC
             return singles[-1][0]
 
     t0, s0 = singles[0][0], singles[0][1]
-    flops_ratio = (flops(together, trainable, states, frozen, *data)
-                   / (N_ADAPTERS * flops(one_step, t0, s0, singles[0][2], xs[0], ys[0])))
+    flops_ratio = (C.flops(together, trainable, states, frozen, *data)
+                   / (N_ADAPTERS * C.flops(one_step, t0, s0, singles[0][2], xs[0], ys[0])))
     cell = MixedCell(f"side by side: mlp d{d} k{rank} b{batch}{' same batch' if same else ''}",
-                     {"together": Together(), "hand": Hand(), "separate": Separate()}, n_inner=3)
+                     {"together": C.Step(together, (trainable, states), (frozen, *data), aux=False),
+                      "hand": C.Step(hand, (hand_f, hand_states), data, aux=False),
+                      "separate": Separate()}, cap=3)
     base = sum(x.nbytes for x in jax.tree.leaves(frozen))
     info = dict(flops_together_over_separate=flops_ratio,
                 arguments_over_base=mem.argument_size_in_bytes / base,
@@ -286,52 +250,55 @@ def side_cell(d: int, rank: int, batch: int, same: bool = False) -> tuple[MixedC
     return cell, info
 
 
+def _ratios(c: MixedCell, ref: str) -> Callable[[str], float]:
+    return lambda n: C.median(C.paired(c.times[n], c.times[ref])) if n in c.times else float("nan")
+
+
+def mixed_row(c: MixedCell) -> dict[str, Any]:
+    over = _ratios(c, "one")
+    return dict(cell=c.label, mixed_ms=1e3 * C.median(c.times["mixed"]), mixed_over_one=over("mixed"),
+                flops_mixed_over_one=c.flops["mixed"] / c.flops["one"],
+                gather_over_one=over("gather"), ragged_over_one=over("ragged"),
+                loop_over_one=over("loop"), mixed_over_loop=_ratios(c, "loop")("mixed"))
+
+
+def side_row(c: MixedCell, info: dict) -> dict[str, Any]:
+    over = _ratios(c, "separate")
+    return dict(cell=c.label, together_ms=1e3 * C.median(c.times["together"]),
+                together_over_separate=over("together"), hand_over_separate=over("hand"), **info)
+
+
 def main(argv: list[str] | None = None) -> Path:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true")
-    p.add_argument("--out", default=None)
-    p.add_argument("--rounds", type=int, default=None)
+    p = C.parser(__doc__)
     p.add_argument("--no-llama", dest="llama", action="store_false")
-    a = p.parse_args(argv)
-    cfg = QUICK if a.quick else DEFAULT
-    rounds = a.rounds or cfg["rounds"]
-    out = C.out_dir(a.out)
-    t0 = time.perf_counter()
+    a = C.parse(p, argv, DEFAULT, QUICK)
+    cfg, rounds, out = a.cfg, a.rounds, a.out
+    clock = C.Clock("adapters")
 
     mixed = [mlp_mixed_cell(d, r, cfg["batch"]) for d in cfg["dim"] for r in cfg["rank"]]
-    C.interleaved_rounds(mixed, rounds, "adapters/mixed", lambda c: dict(cell=c.label), t0)
+    C.interleaved_rounds(mixed, rounds, "adapters/mixed", lambda c: dict(cell=c.label), clock.t0)
     if a.llama and not a.quick:
         loaded = load_llama()
         for seq in (16, 1):
             llama_cell = llama_mixed_cell(cfg["batch"], seq=seq, loaded=loaded)
             C.interleaved_rounds([llama_cell], cfg["llama_rounds"], "adapters/llama",
-                                 lambda c: dict(cell=c.label), t0)
+                                 lambda c: dict(cell=c.label), clock.t0)
             mixed.append(llama_cell)
-    rows = []
-    for c in mixed:
-        t = c.times
-        ratio = lambda x, y: C.median(u / v for u, v in zip(t[x], t[y])) if x in t else float("nan")  # noqa: E731
-        rows.append(dict(cell=c.label, mixed_ms=1e3 * C.median(t["mixed"]),
-                         mixed_over_one=ratio("mixed", "one"),
-                         flops_mixed_over_one=c.flops["mixed"] / c.flops["one"],
-                         gather_over_one=ratio("gather", "one"), ragged_over_one=ratio("ragged", "one"),
-                         loop_over_one=ratio("loop", "one"), mixed_over_loop=ratio("mixed", "loop")))
+    rows = [mixed_row(c) for c in mixed]
     C.write_csv(out / "adapters_mixed.csv", rows)
 
     sides = [side_cell(d, r, b, same) for d, r, b, same in cfg["side"]]
-    C.interleaved_rounds([c for c, _ in sides], rounds, "adapters/side", lambda c: dict(cell=c.label), t0)
-    side_rows = []
-    for c, info in sides:
-        t = c.times
-        over = lambda x: C.median(u / v for u, v in zip(t[x], t["separate"]))  # noqa: E731
-        side_rows.append(dict(cell=c.label, together_ms=1e3 * C.median(t["together"]),
-                              together_over_separate=over("together"), hand_over_separate=over("hand"),
-                              **info))
+    C.interleaved_rounds([c for c, _ in sides], rounds, "adapters/side", lambda c: dict(cell=c.label),
+                         clock.t0)
+    side_rows = [side_row(c, info) for c, info in sides]
     C.write_csv(out / "adapters_side.csv", side_rows)
+    C.write_md(out / "adapters.md", _markdown(rows, side_rows), clock.facts(f"{rounds} rounds"))
+    return out
 
+
+def _markdown(rows: list[dict], side_rows: list[dict]) -> list[str]:
     f3 = lambda v: f"{v:.3g}"  # noqa: E731
-    md = [C.machine_md({"rounds": rounds}), "",
-          f"Mixed batch: {N_ADAPTERS} adapters, one per example, forward pass. Times are "
+    return [f"Mixed batch: {N_ADAPTERS} adapters, one per example, forward pass. Times are "
           "ratios to the same batch with one adapter (`one`); FLOPs from XLA's cost analysis "
           "of the compiled programs.", "",
           C.md_table(["cell", "mixed ms", "mixed / one", "FLOPs mixed / one", "gather / one",
@@ -348,9 +315,6 @@ def main(argv: list[str] | None = None) -> Path:
                      [[r["cell"], f3(r["together_ms"]), f3(r["together_over_separate"]),
                        f3(r["hand_over_separate"]), f3(r["flops_together_over_separate"]),
                        f3(r["arguments_over_base"]), f3(r["temps_over_base"])] for r in side_rows])]
-    (out / "adapters.md").write_text("\n".join(md) + "\n")
-    print("\n".join(md))
-    return out
 
 
 if __name__ == "__main__":

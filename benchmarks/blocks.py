@@ -251,11 +251,6 @@ def loss_value(y: jax.Array) -> jax.Array:
 # -- building the steps -------------------------------------------------------------------
 
 
-def _own(tree: Any) -> Any:
-    """A private copy of every array, so that donating it deletes nothing shared."""
-    return jax.tree_util.tree_map(lambda a: jnp.array(a, copy=True), tree)
-
-
 def _path(keypath: tuple) -> str:
     parts = []
     for k in keypath:
@@ -272,32 +267,10 @@ def _is_lora(x: Any) -> bool:
     return isinstance(x, lorax.LoraWeight)
 
 
-def _train_step(loss: Callable, opt: optax.GradientTransformation) -> Callable:
-    def step(tr, st, *const):
-        l, g = jax.value_and_grad(loss)(tr, *const)
-        u, st = opt.update(g, st, tr)
-        return l, optax.apply_updates(tr, u), st
-    return step
-
-
-class Holder:
-    """The training state one implementation threads from step to step; shared by the
-    cells that differ only in batch x seq (their executables take the same state)."""
-
-    def __init__(self, state: tuple, keep_init: bool):
-        self.state = state
-        self._init = _own(state) if keep_init else None
-
-    def reset(self) -> None:
-        """Back to the initial values (LoRA states only: small), for the loss check."""
-        if self._init is not None:
-            self.state = _own(self._init)
-
-
 @dataclasses.dataclass
 class Step:
     fn: Callable
-    holder: Holder
+    holder: C.State
     const: tuple
     # qwix 0.1.8 uses NNX APIs flax 0.12 deprecates (`.value`, `iter_modules`): its
     # DeprecationWarnings are silenced while it builds and traces.
@@ -361,8 +334,8 @@ class Builder:
             return jax.tree_util.tree_unflatten(treedef, out), spec
         return self._get(("lora", kind, d, rank), make)
 
-    def holder(self, key: tuple, make: Callable[[], tuple], keep_init: bool) -> Holder:
-        return self._get(("holder", *key), lambda: Holder(make(), keep_init))
+    def holder(self, key: tuple, make: Callable[[], tuple], keep_init: bool) -> C.State:
+        return self._get(("holder", *key), lambda: C.State(make(), keep_init))
 
     # the steps
     def build(self, impl: str, kind: str, d: int, rank: int, batch: int, seq: int) -> Step:
@@ -372,15 +345,15 @@ class Builder:
 
         if impl == "full_ft":
             def make():
-                p = _own(params)
+                p = C.own(params)
                 return (p, opt.init(p))
             h = self.holder((impl, kind, d), make, keep_init=False)
-            return Step(_train_step(lambda p, x: loss_value(apply(p, x)), opt), h, (x,))
+            return Step(C.train_step(lambda p, x: loss_value(apply(p, x)), opt), h, (x,))
 
         if impl == "floor":
             def step(p, x):
                 return (jax.grad(lambda x: loss_value(apply(p, x)))(x),)
-            return Step(step, Holder((), False), (params, x))
+            return Step(step, C.State((), False), (params, x))
 
         lp, spec = self.lora_params(kind, d, rank)
         if impl == "lorax":
@@ -391,10 +364,10 @@ class Builder:
                 return lora_loss(lorax.combine(tr, fr), x)
 
             def make():
-                tr = _own(trainable)
+                tr = C.own(trainable)
                 return (tr, opt.init(tr))
             h = self.holder((impl, kind, d, rank), make, keep_init=True)
-            return Step(_train_step(loss, opt), h, (frozen, x))
+            return Step(C.train_step(loss, opt), h, (frozen, x))
 
         if impl in ("hand_einsum", "hand_2d"):
             if kind == "nnx":
@@ -429,10 +402,10 @@ class Builder:
                 return loss_value(decoder(kind, dense, fr, x))
 
             def make():
-                fs = _own(factors)
+                fs = C.own(factors)
                 return (fs, opt.init(fs))
             h = self.holder((impl, kind, d, rank), make, keep_init=True)
-            return Step(_train_step(loss, opt), h, (params, x))
+            return Step(C.train_step(loss, opt), h, (params, x))
 
         if impl == "qwix":
             if kind != "nnx":
@@ -445,10 +418,10 @@ class Builder:
                 return loss_value(nnx.merge(graphdef, lo, rest)(x))
 
             def make():
-                lo = _own(lora_state)
+                lo = C.own(lora_state)
                 return (lo, opt.init(lo))
             h = self.holder((impl, kind, d, rank), make, keep_init=True)
-            return Step(_train_step(loss, opt), h, (rest, x), quiet=True)
+            return Step(C.train_step(loss, opt), h, (rest, x), quiet=True)
 
         raise ValueError(f"unknown implementation {impl!r} for model {kind!r}")
 
@@ -488,24 +461,18 @@ _TRANSPOSE = re.compile(r"= \S+ transpose\(")
 _COPY = re.compile(r"= \S+ copy\(")
 _DOT = re.compile(r"= \S+ dot\(")
 _LAYOUT_OP = re.compile(r"= (\w+)\[([\d,]*)\]\S* (?:transpose|copy)\(")
-_ITEMSIZE = {"f64": 8, "s64": 8, "u64": 8, "f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2,
-             "s16": 2, "u16": 2, "s8": 1, "u8": 1, "pred": 1}
 
 
 def _layout_bytes(text: str) -> int:
     """Bytes written by `transpose(` and `copy(` instructions: data moved only to change
     its layout (a transpose fused into a copy counts twice, the same in every step)."""
-    return sum(
-        math.prod(int(v) for v in dims.split(",") if v) * _ITEMSIZE.get(dtype, 4)
-        for dtype, dims in _LAYOUT_OP.findall(text))
+    return C.hlo_bytes(_LAYOUT_OP.findall(text))
 
 
 def hlo_stats(compiled: Any) -> dict[str, float]:
     """flops, bytes accessed (XLA cost analysis) and transpose/copy/dot counts of a
     compiled executable's optimized HLO (see the module docstring for what is counted)."""
-    cost = compiled.cost_analysis()
-    if isinstance(cost, (list, tuple)):
-        cost = cost[0]
+    cost = C.cost(compiled)
     text = compiled.as_text()
     return {
         "flops": float(cost.get("flops", float("nan"))),
@@ -529,29 +496,13 @@ def block_stats(model_name: str, d: int, rank: int, batch: int, seq: int, impl: 
 
 
 @dataclasses.dataclass
-class Runner(C.Timed):
-    impl: str
-    compiled: Any
-    holder: Holder
-    const: tuple
-    stats: dict[str, float]
-    warm: float = float("nan")
-
-    def call(self) -> Any:
-        out = self.compiled(*self.holder.state, *self.const)
-        if self.holder.state:
-            self.holder.state = tuple(out[1:])
-        return out
-
-
-@dataclasses.dataclass
 class Cell:
     model: str
     d: int
     rank: int
     batch: int
     seq: int
-    runners: dict[str, Runner]
+    runners: dict[str, C.Step]
     n_inner: int = 1
     first_loss: dict[str, float] = dataclasses.field(default_factory=dict)
     times: dict[str, list[float]] = dataclasses.field(default_factory=dict)
@@ -559,10 +510,6 @@ class Cell:
     @property
     def label(self) -> str:
         return f"d{self.d} r{self.rank} {self.batch}x{self.seq}"
-
-
-def _ints(s: str) -> tuple[int, ...]:
-    return tuple(int(v) for v in s.split(",") if v)
 
 
 def _shapes(s: str) -> tuple[tuple[int, int], ...]:
@@ -575,19 +522,14 @@ def _shapes(s: str) -> tuple[tuple[int, int], ...]:
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--models", default=",".join(MODELS), help=f"comma-separated subset of {MODELS}")
+    p = C.parser(__doc__, plot=True, models=",".join(MODELS))
     p.add_argument("--dims", default=None, help=f"comma-separated d (default {DEFAULT['dims']})")
     p.add_argument("--ranks", default=None, help=f"comma-separated ranks (default {DEFAULT['ranks']})")
     p.add_argument("--shapes", default=None,
                    help="comma-separated batch x seq, e.g. 8x128,4x512 (the default)")
     p.add_argument("--layers", type=int, default=None, help="default 4; quick 2")
-    p.add_argument("--rounds", type=int, default=None, help="default 5; quick 2")
     p.add_argument("--min-measure", type=float, default=0.02,
                    help="seconds one measurement should last at least (sets n_inner)")
-    p.add_argument("--quick", action="store_true",
-                   help="one tiny cell per model (d 128, 2 layers, 2x32, rank 8), 2 rounds")
-    p.add_argument("--out", default=None, help="output directory (default benchmarks/results)")
     p.add_argument("--stats-only", action="store_true",
                    help="compile each step and write its HLO statistics (blocks_stats.*); no timing")
     a = p.parse_args(argv)
@@ -596,8 +538,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     for m in a.models:
         if m not in MODELS:
             p.error(f"unknown model {m!r}")
-    a.dims = _ints(a.dims) if a.dims else base["dims"]
-    a.ranks = _ints(a.ranks) if a.ranks else base["ranks"]
+    a.dims = C.ints(a.dims) if a.dims else base["dims"]
+    a.ranks = C.ints(a.ranks) if a.ranks else base["ranks"]
     a.shapes = _shapes(a.shapes) if a.shapes else base["shapes"]
     a.layers = a.layers or base["layers"]
     a.rounds = a.rounds or base["rounds"]
@@ -615,7 +557,7 @@ def _specs(a: argparse.Namespace) -> list[tuple[str, int, int, int, int]]:
 def _build_cells(a: argparse.Namespace, builder: Builder, log: str) -> list[Cell]:
     """Every cell's runners, each implementation compiled once per cell (full FT and the
     floor once per model, d and shape)."""
-    compiled: dict[tuple, Runner] = {}
+    compiled: dict[tuple, C.Step] = {}
     cells = []
     t0 = time.perf_counter()
     for m, d, r, b, t in _specs(a):
@@ -625,7 +567,8 @@ def _build_cells(a: argparse.Namespace, builder: Builder, log: str) -> list[Cell
             if key not in compiled:
                 step = builder.build(impl, m, d, r, b, t)
                 c = step.compile()
-                compiled[key] = Runner(impl, c, step.holder, step.const, hlo_stats(c))
+                compiled[key] = C.Step(c, step.holder, step.const)
+                compiled[key].stats = hlo_stats(c)
             runners[impl] = compiled[key]
         cells.append(Cell(m, d, r, b, t, runners))
         print(f"[{log}] compiled {m} {cells[-1].label} ({time.perf_counter() - t0:.0f}s)", flush=True)
@@ -644,124 +587,151 @@ def _stats_table(rows: list[dict[str, Any]]) -> str:
     return C.md_table(
         ["model", "cell", "impl", "GFLOP", "GB accessed", "transposes", "copies",
          "MiB moved by them", "dots"],
-        [(r["model"], f"d{r['d']} r{r['rank']} {r['batch']}x{r['seq']}", f"`{r['impl']}`",
+        [(r["model"], _label(r), f"`{r['impl']}`",
           f"{r['gflops']:.3f}", f"{r['gb_accessed']:.4f}", r["transposes"], r["copies"],
           f"{r['layout_mb']:.1f}", r["dots"])
          for r in rows])
 
 
+def _label(r: dict[str, Any]) -> str:
+    return f"d{r['d']} r{r['rank']} {r['batch']}x{r['seq']}"
+
+
 def _stats_only(a: argparse.Namespace, out: Path) -> Path:
-    t0 = time.perf_counter()
     cells = _build_cells(a, Builder(a.layers), "blocks --stats-only")
-    rows = []
-    for c in cells:
-        for impl in c.runners:
-            rows.append({**_stat_row(c, impl), "layers": a.layers})
-    C.write_csv(out / "blocks_stats.csv", rows)
-    table = _stats_table(rows)
-    md = ["# Transformer blocks: compiled-HLO statistics (no timing)", "", C.machine_md(), "",
-          f"{a.layers} layers. Per training step, from the compiled executable: XLA "
+    rows = [{**_stat_row(c, impl), "layers": a.layers} for c in cells for impl in c.runners]
+    md = [f"{a.layers} layers. Per training step, from the compiled executable: XLA "
           "`cost_analysis()` flops and bytes accessed; `transpose(`, `copy(` and `dot(` "
           "instructions anywhere in `compiled.as_text()` (fused computations included).", "",
-          TARGETS_MD, "", table]
-    (out / "blocks_stats.md").write_text("\n".join(md) + "\n")
-    print(table)
-    print(f"[blocks --stats-only] wrote {out / 'blocks_stats.md'} ({time.perf_counter() - t0:.0f}s)",
-          flush=True)
-    return out
+          TARGETS_MD, "", _stats_table(rows)]
+    return C.write_results(out, "blocks_stats", rows, md)
+
+
+def _first_losses(cells: list[Cell]) -> list[str]:
+    """Every LoRA implementation from the same factors: the same first-step loss."""
+    problems = []
+    for c in cells:
+        for impl, r in c.runners.items():
+            if impl in LORA_IMPLS:
+                r.holder.reset()
+            first = r.call()
+            if impl != "floor":
+                c.first_loss[impl] = float(first[0])
+        ref = REF[c.model] if REF[c.model] in c.runners else "lorax"
+        for n in (n for n in c.runners if n in LORA_IMPLS):
+            if not np.isclose(c.first_loss[n], c.first_loss[ref], rtol=1e-4, atol=1e-6):
+                problems.append(f"{c.model} {c.label}: {n} first loss {c.first_loss[n]!r} != "
+                                f"{ref} {c.first_loss[ref]!r}")
+    for msg in problems:
+        print("[blocks] MISMATCH", msg, flush=True)
+    return problems
+
+
+def _row(c: Cell, n: str, layers: int) -> dict[str, Any]:
+    ts, ref = c.times[n], REF[c.model]
+    return {**_stat_row(c, n), "layers": layers, "ref": ref, "rounds": len(ts),
+            "n_inner": c.n_inner, **C.time_cols(ts),
+            **C.ratio_cols("ratio_floor", ts, c.times["floor"]),
+            **C.ratio_cols("ratio_ft", ts, c.times["full_ft"]),
+            **C.ratio_cols("ratio_ref", ts, c.times.get(ref)),
+            "first_loss": c.first_loss.get(n, "")}
 
 
 def main(argv: list[str] | None = None) -> Path:
     a = _parse(argv)
     out = C.out_dir(a.out)
+    if a.plot_only:
+        return C.replot(out, "blocks", _plot)
     if not HAVE_QWIX and "nnx" in a.models:
         print("[blocks] qwix not installed: the nnx model runs without the qwix implementation",
               flush=True)
     if a.stats_only:
         return _stats_only(a, out)
-    t_start = time.perf_counter()
-    load_start = C.loadavg()
-    print(f"[blocks] load average at start: {load_start}", flush=True)
-
-    # 1. compile everything, check the first-step losses, time one warm call.
+    clock = C.Clock("blocks")
+    clock.log(f"load average at start: {clock.load_start}")
     cells = _build_cells(a, Builder(a.layers), "blocks")
-    warmed: set[int] = set()
-    problems = []
-    for c in cells:
-        for impl, r in c.runners.items():
-            if impl in LORA_IMPLS:
-                r.holder.reset()  # every LoRA impl from the same factors in every cell
-            first = r.call()
-            jax.block_until_ready(first)
-            if impl != "floor":
-                c.first_loss[impl] = float(first[0])
-            if id(r) not in warmed:
-                warmed.add(id(r))
-                r.warm = r.measure(1)
-        lora = [n for n in c.runners if n in LORA_IMPLS]
-        ref = REF[c.model] if REF[c.model] in c.runners else "lorax"
-        for n in lora:
-            if not np.isclose(c.first_loss[n], c.first_loss[ref], rtol=1e-4, atol=1e-6):
-                problems.append(f"{c.model} {c.label}: {n} first loss {c.first_loss[n]!r} != "
-                                f"{ref} {c.first_loss[ref]!r}")
-        fastest = min(r.warm for r in c.runners.values())
-        c.n_inner = max(1, min(50, math.ceil(a.min_measure / max(fastest, 1e-6))))
-        c.times = {n: [] for n in c.runners}
-    for msg in problems:
-        print("[blocks] MISMATCH", msg, flush=True)
-    per_round = sum(r.warm * c.n_inner for c in cells for r in c.runners.values())
-    print(f"[blocks] compiled in {time.perf_counter() - t_start:.0f}s; ~{per_round:.1f}s per "
-          f"round, {a.rounds} rounds", flush=True)
-
-    # 2. interleaved rounds.
+    problems = _first_losses(cells)
+    C.calibrate(cells, a.min_measure)
+    clock.log(f"compiled and checked {len(cells)} cells; {a.rounds} rounds")
     raw = C.interleaved_rounds(cells, a.rounds, "blocks",
-                               lambda c: dict(model=c.model, cell=c.label), t_start)
-    load_end = C.loadavg()
-    elapsed = time.perf_counter() - t_start
-
-    # 3. paired ratios, medians over rounds.
-    rows = []
-    for c in cells:
-        ref = REF[c.model]
-        for n in c.runners:
-            ts = c.times[n]
-            pair = lambda other: [t / o for t, o in zip(ts, c.times[other])]  # noqa: E731
-            r_floor, r_ft = pair("floor"), pair("full_ft")
-            r_ref = pair(ref) if ref in c.runners else [float("nan")] * len(ts)
-            rows.append({
-                **_stat_row(c, n), "layers": a.layers, "ref": ref, "rounds": len(ts),
-                "n_inner": c.n_inner,
-                "median_ms": 1e3 * C.median(ts), "p25_ms": 1e3 * C.quantile(ts, 0.25),
-                "p75_ms": 1e3 * C.quantile(ts, 0.75),
-                "ratio_floor": C.median(r_floor), "ratio_floor_p25": C.quantile(r_floor, 0.25),
-                "ratio_floor_p75": C.quantile(r_floor, 0.75),
-                "ratio_ft": C.median(r_ft), "ratio_ft_p25": C.quantile(r_ft, 0.25),
-                "ratio_ft_p75": C.quantile(r_ft, 0.75),
-                "ratio_ref": C.median(r_ref), "ratio_ref_p25": C.quantile(r_ref, 0.25),
-                "ratio_ref_p75": C.quantile(r_ref, 0.75),
-                "first_loss": c.first_loss.get(n, ""),
-            })
-    C.write_csv(out / "blocks.csv", rows)
-    C.write_csv(out / "blocks_rounds.csv", raw)
-    (out / "blocks.md").write_text(_markdown(a, cells, rows, problems, load_start, load_end,
-                                             elapsed))
-    _plot(out / "blocks.png", cells, rows)
-    print(f"[blocks] wrote {out / 'blocks.md'} ({elapsed:.0f}s)", flush=True)
-    return out
+                               lambda c: dict(model=c.model, cell=c.label), clock.t0)
+    rows = [_row(c, n, a.layers) for c in cells for n in c.runners]
+    facts = clock.facts(f"{'--quick, ' if a.quick else ''}{len(cells)} cells, {a.layers} layers, "
+                        f"{a.rounds} rounds")
+    md = _markdown(rows, problems, nnx_without_qwix=not HAVE_QWIX and "nnx" in a.models)
+    return C.write_results(out, "blocks", rows, md, facts, raw, _plot)
 
 
-def _markdown(a, cells, rows, problems, load_start, load_end, elapsed) -> str:
-    by = {(r["model"], r["d"], r["rank"], r["batch"], r["seq"], r["impl"]): r for r in rows}
-    get = lambda c, n: by[(c.model, c.d, c.rank, c.batch, c.seq, n)]  # noqa: E731
-    md = ["# Training-step speed on transformer blocks", ""]
-    md.append(C.machine_md({
-        "load average (1/5/15 min) at start": load_start,
-        "load average at end": load_end,
-        "run": f"{'--quick, ' if a.quick else ''}{len(cells)} cells, {a.layers} layers, "
-               f"{a.rounds} rounds, {elapsed:.0f} s",
-    }))
-    md += ["", TARGETS_MD, "",
-           "Method: every step jitted (training state donated, frozen weights and the batch "
+def _targets(rows: list[dict[str, Any]]) -> list[str]:
+    lor = [r for r in rows if r["impl"] == "lorax"]
+    if not lor:
+        return []
+    bad = [r for r in lor if r["ratio_floor"] > 1.25]
+    worst = max(lor, key=lambda r: r["ratio_floor"])
+    md = [f"- lorax / floor <= 1.25 in every cell: **{'holds' if not bad else 'misses'}** "
+          f"({len(lor) - len(bad)}/{len(lor)} cells; max {worst['ratio_floor']:.3f}, "
+          f"{worst['model']} {_label(worst)})"
+          + ("" if not bad else "; misses: " + ", ".join(
+              f"{r['model']} {_label(r)} {r['ratio_floor']:.3f}" for r in bad))]
+    key = [r for r in lor if (r["model"], r["d"], r["rank"], r["batch"], r["seq"])
+           == ("einsum", 512, 8, 8, 128)]
+    if key:
+        v = key[0]["ratio_ref"]
+        md.append(f"- lorax / hand_einsum <= 0.7 on einsum d512 r8 8x128: "
+                  f"**{'holds' if v <= 0.7 else 'misses'}** ({v:.3f} "
+                  f"[p25 {key[0]['ratio_ref_p25']:.3f}, p75 {key[0]['ratio_ref_p75']:.3f}])")
+    else:
+        md.append("- lorax / hand_einsum <= 0.7 on einsum d512 r8 8x128: not in this run")
+    ft = [r["ratio_ft"] for r in lor]
+    ok = sum(v <= 0.65 for v in ft)
+    md.append(f"- lorax / full FT <= 0.65: {ok}/{len(lor)} cells (median {C.median(ft):.3f}, "
+              f"max {max(ft):.3f})")
+    return md
+
+
+def _markdown(rows: list[dict[str, Any]], problems: list[str], nnx_without_qwix: bool) -> list[str]:
+    md = ["### Targets", "", TARGETS_MD, ""] + _targets(rows) + [""]
+    if nnx_without_qwix:
+        md += ["**qwix is not installed**: the `nnx` model runs without `qwix` (no reference "
+               "hand-written LoRA there; `pip install qwix`).", ""]
+    if problems:
+        md += ["**First-step loss mismatches (MISMATCH):**", ""] + [f"- {p}" for p in problems] + [""]
+
+    # summary per model
+    md += ["### Summary", "",
+           "Per model and implementation, over cells: median of the per-cell ratios (each a "
+           "median of paired ratios over rounds) to the floor, to full FT and to the reference "
+           "hand-written LoRA; worst cell = largest ratio to the floor.", ""]
+    srows = []
+    for m in (m for m in MODELS if any(r["model"] == m for r in rows)):
+        for n in dict.fromkeys(r["impl"] for r in rows if r["model"] == m):
+            rs = [r for r in rows if r["model"] == m and r["impl"] == n]
+            worst = max(rs, key=lambda r: r["ratio_floor"])
+            srows.append((m, f"`{n}`", f"{C.median(r['ratio_floor'] for r in rs):.3f}",
+                          f"{C.median(r['ratio_ft'] for r in rs):.3f}",
+                          f"{C.median(r['ratio_ref'] for r in rs):.3f} (`{REF[m]}`)",
+                          f"{worst['ratio_floor']:.3f} ({_label(worst)})"))
+    md.append(C.md_table(["model", "impl", "/ floor", "/ full FT", "/ ref", "worst / floor (cell)"],
+                         srows))
+
+    # per-cell timing
+    md += ["", "### Per cell", "",
+           "Median ms per step; ratios are medians of paired per-round ratios, [p25, p75] for "
+           "the ratio to the floor.", ""]
+    md.append(C.md_table(["model", "cell", "impl", "ms", "/ floor", "/ full FT", "/ ref", "n_inner"],
+                         [(r["model"], _label(r), f"`{r['impl']}`", f"{r['median_ms']:.2f}",
+                           f"{r['ratio_floor']:.3f} [{r['ratio_floor_p25']:.2f}, {r['ratio_floor_p75']:.2f}]",
+                           f"{r['ratio_ft']:.3f}", f"{r['ratio_ref']:.3f}", r["n_inner"])
+                          for r in rows]))
+
+    # HLO statistics
+    md += ["", "### Compiled HLO", "",
+           "Per step, from the compiled executable (deterministic): XLA `cost_analysis()` flops "
+           "and bytes accessed, the `transpose(` / `copy(` / `dot(` instructions anywhere in "
+           "`compiled.as_text()` (fused computations included), and the MiB the transposes and "
+           "copies write.", ""]
+    md.append(_stats_table(rows))
+    md += ["", "Method: every step jitted (training state donated, frozen weights and the batch "
            "as plain arguments) and compiled once per cell; interleaved rounds in one process "
            "(each round runs every implementation once per cell, rotating order; one "
            "measurement = `n_inner` back-to-back steps, `block_until_ready` at the end); "
@@ -773,114 +743,34 @@ def _markdown(a, cells, rows, problems, load_start, load_end, elapsed) -> str:
            "einsums), `2d` (the same decoder with `(d, d)` kernels and reshapes), `nnx` (Flax "
            "NNX `MultiHeadAttention` + `Linear` + `RMSNorm`, through `nnx.split`/`nnx.merge`).",
            "", "Implementations:", ""]
-    md += [f"- `{n}`: {DESCRIPTIONS[n]}" for n in DESCRIPTIONS] + [""]
-    if not HAVE_QWIX and "nnx" in a.models:
-        md += ["**qwix is not installed**: the `nnx` model runs without `qwix` (no reference "
-               "hand-written LoRA there; `pip install qwix`).", ""]
-    if problems:
-        md += ["**First-step loss mismatches (MISMATCH):**", ""] + [f"- {p}" for p in problems] + [""]
-
-    # targets
-    md += ["## Targets", ""]
-    lor = [(c, get(c, "lorax")) for c in cells if "lorax" in c.runners]
-    if lor:
-        bad = [(c, r) for c, r in lor if r["ratio_floor"] > 1.25]
-        worst = max(lor, key=lambda cr: cr[1]["ratio_floor"])
-        md.append(f"- lorax / floor <= 1.25 in every cell: **{'holds' if not bad else 'misses'}** "
-                  f"({len(lor) - len(bad)}/{len(lor)} cells; max {worst[1]['ratio_floor']:.3f}, "
-                  f"{worst[0].model} {worst[0].label})"
-                  + ("" if not bad else "; misses: " + ", ".join(
-                      f"{c.model} {c.label} {r['ratio_floor']:.3f}" for c, r in bad)))
-        key = [(c, r) for c, r in lor if (c.model, c.d, c.rank, c.batch, c.seq)
-               == ("einsum", 512, 8, 8, 128)]
-        if key:
-            v = key[0][1]["ratio_ref"]
-            md.append(f"- lorax / hand_einsum <= 0.7 on einsum d512 r8 8x128: "
-                      f"**{'holds' if v <= 0.7 else 'misses'}** ({v:.3f} "
-                      f"[p25 {key[0][1]['ratio_ref_p25']:.3f}, p75 {key[0][1]['ratio_ref_p75']:.3f}])")
-        else:
-            md.append("- lorax / hand_einsum <= 0.7 on einsum d512 r8 8x128: not in this run")
-        ft = [r["ratio_ft"] for _, r in lor]
-        ok = sum(v <= 0.65 for v in ft)
-        md.append(f"- lorax / full FT <= 0.65: {ok}/{len(lor)} cells (median {C.median(ft):.3f}, "
-                  f"max {max(ft):.3f})")
-
-    # summary per model
-    md += ["", "## Summary", "",
-           "Per model and implementation, over cells: median of the per-cell ratios (each a "
-           "median of paired ratios over rounds) to the floor, to full FT and to the reference "
-           "hand-written LoRA; worst cell = largest ratio to the floor.", ""]
-    srows = []
-    for m in (m for m in MODELS if any(c.model == m for c in cells)):
-        mc = [c for c in cells if c.model == m]
-        for n in impls_for(m):
-            rs = [(c, get(c, n)) for c in mc]
-            worst = max(rs, key=lambda cr: cr[1]["ratio_floor"])
-            srows.append((m, f"`{n}`", f"{C.median(r['ratio_floor'] for _, r in rs):.3f}",
-                          f"{C.median(r['ratio_ft'] for _, r in rs):.3f}",
-                          f"{C.median(r['ratio_ref'] for _, r in rs):.3f} (`{REF[m]}`)",
-                          f"{worst[1]['ratio_floor']:.3f} ({worst[0].label})"))
-    md.append(C.md_table(["model", "impl", "/ floor", "/ full FT", "/ ref", "worst / floor (cell)"],
-                         srows))
-
-    # per-cell timing
-    md += ["", "## Per cell", "",
-           "Median ms per step; ratios are medians of paired per-round ratios, [p25, p75] for "
-           "the ratio to the floor.", ""]
-    trows = []
-    for c in cells:
-        for n in c.runners:
-            r = get(c, n)
-            trows.append((c.model, c.label, f"`{n}`", f"{r['median_ms']:.2f}",
-                          f"{r['ratio_floor']:.3f} [{r['ratio_floor_p25']:.2f}, {r['ratio_floor_p75']:.2f}]",
-                          f"{r['ratio_ft']:.3f}", f"{r['ratio_ref']:.3f}", c.n_inner))
-    md.append(C.md_table(["model", "cell", "impl", "ms", "/ floor", "/ full FT", "/ ref", "n_inner"],
-                         trows))
-
-    # HLO statistics
-    md += ["", "## Compiled HLO", "",
-           "Per step, from the compiled executable (deterministic): XLA `cost_analysis()` flops "
-           "and bytes accessed, the `transpose(` / `copy(` / `dot(` instructions anywhere in "
-           "`compiled.as_text()` (fused computations included), and the MiB the transposes and "
-           "copies write.", ""]
-    md.append(_stats_table([get(c, n) for c in cells for n in c.runners]))
-    return "\n".join(md) + "\n"
+    md += [f"- `{n}`: {DESCRIPTIONS[n]}" for n in DESCRIPTIONS]
+    return md
 
 
-def _plot(path: Path, cells, rows) -> None:
-    plt = C.pyplot("blocks")
-    if plt is None:
-        return
-    by = {(r["model"], r["d"], r["rank"], r["batch"], r["seq"], r["impl"]): r for r in rows}
-    models = [m for m in MODELS if any(c.model == m for c in cells)]
-    widths = [sum(c.model == m for c in cells) for m in models]
-    fig, axes = plt.subplots(1, len(models), figsize=(max(8, 0.5 * sum(widths) + 4), 5.5),
-                             gridspec_kw=dict(width_ratios=widths), squeeze=False)
-    markers = dict(lorax="^", hand_einsum="o", hand_2d="s", qwix="x", full_ft="d")
-    for ax, m in zip(axes[0], models):
-        mc = [c for c in cells if c.model == m]
-        xs = range(len(mc))
-        for n in (n for n in ("lorax", "hand_einsum", "hand_2d", "qwix", "full_ft") if n in impls_for(m)):
-            ys = [by[(c.model, c.d, c.rank, c.batch, c.seq, n)]["ratio_floor"] for c in mc]
-            ax.plot(xs, ys, marker=markers[n], linestyle="-" if n != "full_ft" else ":",
-                    linewidth=0.8, label=n, **({"color": "0.5"} if n == "full_ft" else {}))
-        ax.axhline(1.0, color="k", linewidth=0.8, linestyle="--")
-        ax.axhline(1.25, color="r", linewidth=0.8, linestyle=":", label="target 1.25")
-        ax.set_yscale("log")
-        ax.yaxis.set_major_formatter(plt.matplotlib.ticker.FormatStrFormatter("%g"))
-        ax.yaxis.set_minor_formatter(plt.matplotlib.ticker.FormatStrFormatter("%g"))
-        ax.tick_params(axis="y", which="minor", labelsize=7)
-        ax.set_xticks(list(xs))
-        ax.set_xticklabels([c.label for c in mc], rotation=70, fontsize=7)
-        ax.set_title(f"model {m}")
-        ax.set_ylabel("step time / floor (median of paired ratios)")
-        ax.grid(True, which="both", axis="y", alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.suptitle(f"Transformer-block training step relative to the floor ({C.cpu_model()}, "
-                 f"jax {jax.__version__})", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+MARKERS = dict(lorax="^", hand_einsum="o", hand_2d="s", qwix="x", full_ft="d")
+
+
+def _plot(rows: list[dict[str, Any]], path: Path) -> None:
+    """Small multiples: a panel per model (columns) and rank (rows), each cell's step
+    time over the floor's (1 = the floor), one line per implementation, the target drawn."""
+    models = [m for m in MODELS if any(r["model"] == m for r in rows)]
+    ranks = sorted({r["rank"] for r in rows})
+    fig, axes = C.small_multiples(len(ranks) * len(models), len(models), 2.7, sharey=True)
+    for (i, k), (j, m) in ((ik, jm) for ik in enumerate(ranks) for jm in enumerate(models)):
+        ax, prs = axes[i][j], [r for r in rows if r["model"] == m and r["rank"] == k]
+        by = {(r["d"], r["batch"], r["seq"], r["impl"]): r["ratio_floor"] for r in prs}
+        ds = list(dict.fromkeys(r["d"] for r in prs))
+        shapes = list(dict.fromkeys((r["batch"], r["seq"]) for r in prs))
+        xs = C.group_ticks(ax, [(f"d at {b}×{t}", [str(d) for d in ds]) for b, t in shapes])
+        for n in (n for n in MARKERS if any(r["impl"] == n for r in prs)):
+            C.plot_groups(ax, xs, [by[(d, *shape, n)] for shape in shapes for d in ds], len(ds),
+                          marker=MARKERS[n], linestyle=":" if n == "full_ft" else "-",
+                          linewidth=0.9, markersize=5, label=n,
+                          color={"lorax": "C3", "full_ft": "0.5"}.get(n))
+        C.target_line(ax, 1.25, "target: lorax ≤ 1.25 × floor", place="legend")
+        ax.set_title(f"{m}, rank {k}")
+    C.ratio_axis(axes)
+    C.finish(fig, axes, path, "step time / floor", ncol=3, legend_rows=2)
 
 
 if __name__ == "__main__":

@@ -19,8 +19,6 @@ taken in interleaved order -> `dispatch.csv`, `dispatch.md`.
 
 from __future__ import annotations
 
-import argparse
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -61,64 +59,47 @@ CONTAINERS = {
 }
 
 
-def _time_calls(fn, tree, number: int) -> float:
-    start = time.perf_counter()
-    for _ in range(number):
-        fn(tree)
-    jax.block_until_ready(fn(tree))
-    return (time.perf_counter() - start) / (number + 1)
-
-
 def measure(n_weights: int, number: int, repeats: int) -> list[dict]:
     w, a, b = jnp.ones((16, 16)), jnp.ones((2, 16)), jnp.ones((16, 2))
     trees = {name: [make(w, a, b) for _ in range(n_weights)] for name, make in CONTAINERS.items()}
     fns = {"args": jax.jit(lambda t: jnp.zeros(())), "identity": jax.jit(lambda t: t)}
-    samples: dict[tuple[str, str], list[float]] = {}
-    for fn in fns.values():  # compile everything first
-        for tree in trees.values():
-            jax.block_until_ready(fn(tree))
-    for rep in range(repeats):
-        for fn_name, fn in fns.items():
-            names = list(trees)
-            names = names[rep % len(names):] + names[: rep % len(names)]  # rotate the order
-            for name in names:
-                samples.setdefault((fn_name, name), []).append(_time_calls(fn, trees[name], number))
-    rows = []
-    for (fn_name, name), ts in samples.items():
-        us = 1e6 * statistics.median(ts)
-        base = 1e6 * statistics.median(samples[(fn_name, "dict")])
-        rows.append(dict(function=fn_name, container=name, weights=n_weights, us_per_call=us,
-                         ratio_to_dict=us / base, repeats=repeats, calls_per_repeat=number))
-    return rows
+    cells = [C.Cell(fn_name, {name: C.Call(fn, tree) for name, tree in trees.items()}, number)
+             for fn_name, fn in fns.items()]
+    for c in cells:  # compile everything first
+        for r in c.runners.values():
+            jax.block_until_ready(r.call())
+    C.interleaved_rounds(cells, repeats, "dispatch", lambda c: dict(function=c.label),
+                         time.perf_counter())
+    return [dict(function=c.label, container=name, weights=n_weights,
+                 us_per_call=1e6 * C.median(ts),
+                 ratio_to_dict=C.median(ts) / C.median(c.times["dict"]),
+                 repeats=repeats, calls_per_repeat=number)
+            for c in cells for name, ts in c.times.items()]
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--quick", action="store_true")
-    p.add_argument("--out", default=None)
+    p = C.parser(__doc__, rounds=False)
     p.add_argument("--weights", type=int, default=96)
     a = p.parse_args(argv)
     out = C.out_dir(a.out)
     number, repeats = (20, 3) if a.quick else (300, 21)
-    load = C.loadavg()
+    clock = C.Clock("dispatch")
     rows = measure(a.weights, number, repeats)
-    C.write_csv(out / "dispatch.csv", rows)
+    C.write_results(out, "dispatch", rows, _markdown(rows), clock.facts(
+        f"{a.weights} weights of (16, 16) with rank-2 factors; median of {repeats} repeats of "
+        f"{number} calls, containers interleaved"))
+    return rows
+
+
+def _markdown(rows: list[dict]) -> list[str]:
     get = {(r["function"], r["container"]): r for r in rows}
-    md = ["# Per-call dispatch: `LoraWeight` vs plain pytrees", "",
-          C.machine_md({"load average (1/5/15 min) at start": load,
-                        "load average at end": C.loadavg(),
-                        "run": f"{a.weights} weights of (16, 16) with rank-2 factors; median of "
-                               f"{repeats} repeats of {number} calls, containers interleaved"}),
-          "", __doc__.split("\n\n", 2)[2].strip(), "",
-          C.md_table(["function", *(f"`{n}` µs/call" for n in CONTAINERS),
+    return [C.md_table(["function", *(f"`{n}` µs/call" for n in CONTAINERS),
                       *(f"`{n}` / `dict`" for n in CONTAINERS if n != "dict")],
                      [[f, *(f"{get[(f, n)]['us_per_call']:.0f}" for n in CONTAINERS),
                        *(f"{get[(f, n)]['ratio_to_dict']:.2f}" for n in CONTAINERS if n != "dict")]
                       for f in ("args", "identity")]),
-          "", "Target: `lorax` / `dict` <= 1.5 for a jitted call taking `LoraWeight`s (`args`)."]
-    (out / "dispatch.md").write_text("\n".join(md) + "\n")
-    print("\n".join(md))
-    return rows
+          "", "Target: `lorax` / `dict` <= 1.5 for a jitted call taking `LoraWeight`s (`args`).",
+            "", __doc__.split("\n\n", 2)[2].strip()]
 
 
 if __name__ == "__main__":

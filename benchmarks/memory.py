@@ -120,9 +120,7 @@ def analyse(case: str, model: I.Model, rank: int, impl: str, donate: bool) -> di
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--quick", action="store_true", help="the 4-layer MLP only, small shapes (smoke run)")
-    p.add_argument("--out", default=None, help="output directory (default benchmarks/results)")
+    p = C.parser(__doc__, rounds=False)
     p.add_argument("--impls", default=",".join(I.IMPLS))
     a = p.parse_args(argv)
     a.impls = [i for i in a.impls.split(",") if i]
@@ -140,10 +138,7 @@ def main(argv: list[str] | None = None) -> Path:
                 r = rows[-1]
                 print(f"[memory] {case} {impl} donated={r['donated']}: total {r['total_mib']:.2f} MiB, "
                       f"temp {r['temp_mib']:.2f}, out-alias {r['out_minus_alias_mib']:.2f}", flush=True)
-    C.write_csv(out / "memory.csv", rows)
-    (out / "memory.md").write_text(_markdown(a, rows))
-    print(f"[memory] wrote {out / 'memory.md'}", flush=True)
-    return out
+    return C.write_results(out, "memory", rows, _markdown(a, rows))
 
 
 def _get(rows, case, impl, donated):
@@ -190,9 +185,8 @@ def checks(rows: list[dict[str, Any]]) -> list[tuple[str, bool, str]]:
     return res
 
 
-def _markdown(a: argparse.Namespace, rows: list[dict[str, Any]]) -> str:
-    md = ["# Compiled memory of the training step", "", C.machine_md(), "",
-          "XLA `memory_analysis()` of each jitted step, compiled on abstract inputs (nothing runs). "
+def _markdown(a: argparse.Namespace, rows: list[dict[str, Any]]) -> list[str]:
+    md = ["XLA `memory_analysis()` of each jitted step, compiled on abstract inputs (nothing runs). "
           "`total = argument + output - alias + temp`; `out-alias` = output bytes that do not "
           "reuse a donated input; `W-shaped ops` = non-parameter instructions of the optimized HLO "
           "entry computation with a LoRA'd weight's shape (opcodes in brackets); `grad` = bytes "
@@ -205,7 +199,7 @@ def _markdown(a: argparse.Namespace, rows: list[dict[str, Any]]) -> str:
     }
     for case in dict.fromkeys(r["case"] for r in rows):
         cr = [r for r in rows if r["case"] == case]
-        md += ["", f"## `{case}`" + ("" if a.quick else f": {descr[case]}"), ""]
+        md += ["", f"### `{case}`" + ("" if a.quick else f": {descr[case]}"), ""]
         head = ["impl", "donated", "argument", "output", "alias", "temp", "**total**", "out-alias",
                 "W-shaped ops", "grad", "opt state"]
         if case == "seed":
@@ -235,10 +229,9 @@ def _markdown(a: argparse.Namespace, rows: list[dict[str, Any]]) -> str:
                "assignment depends on that order: with `(b, a)` leaves the donated hand-written seed "
                "step is 323.0 MiB (temp 16.25 MiB, the issue's number, and what `quax_lora`, whose "
                "leaves come in that order, shows), with `(a, b)` 322.75 MiB (temp 16.0 MiB)."]
-    md += ["", "## Targets", ""]
-    for desc, ok, ev in checks(rows):
-        md.append(f"- {'**holds**' if ok else '**MISSES**'}: {desc} ({ev})")
-    return "\n".join(md) + "\n"
+    targets = [f"- {'**holds**' if ok else '**MISSES**'}: {desc} ({ev})"
+               for desc, ok, ev in checks(rows)]
+    return ["### Targets", "", *targets, "", *md]
 
 
 if __name__ == "__main__":

@@ -26,9 +26,7 @@ Memory: XLA's compiled `memory_analysis()` temporaries, in units of one expert s
 
 from __future__ import annotations
 
-import argparse
 import sys
-import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -117,20 +115,11 @@ def hand_ragged_dot(x: jax.Array, w: Any, sizes: jax.Array) -> jax.Array:
 # -- the benchmark ------------------------------------------------------------------------------
 
 
-class Runner(C.Timed):
-    def __init__(self, step: Callable, state: tuple, args: tuple):
-        self.step, self.state, self.args = step, state, args
-
-    def call(self) -> Any:
-        self.state = self.step(*self.state, *self.args)
-        return self.state[0]
-
-
 def _loss_of(apply: Callable) -> Callable:
     return lambda p, x: jnp.mean(apply(p, x) ** 2)
 
 
-def build(impl: str, d: int, rank: int, tokens: int, experts: int) -> tuple[Runner, Any]:
+def build(impl: str, d: int, rank: int, tokens: int, experts: int) -> tuple[C.Step, Any]:
     params = moe_params(jax.random.PRNGKey(0), d, 2 * d, experts)
     x = jax.random.normal(jax.random.PRNGKey(1), (tokens, d))
     opt = optax.adam(1e-3)
@@ -154,18 +143,13 @@ def build(impl: str, d: int, rank: int, tokens: int, experts: int) -> tuple[Runn
         trainable, frozen = x, params
         loss = lambda t, f, _: _loss_of(moe_mlp)(f, t)  # noqa: E731
 
-    def step(trainable, opt_state, frozen, x):
-        grads = jax.grad(loss)(trainable, frozen, x)
-        if impl == "floor":
-            return trainable - 1e-3 * grads, opt_state
-        updates, opt_state = opt.update(grads, opt_state, trainable)
-        return optax.apply_updates(trainable, updates), opt_state
-
-    step = jax.jit(step, donate_argnums=(0, 1))
-    opt_state = () if impl == "floor" else opt.init(trainable)
+    if impl == "floor":
+        opt = optax.sgd(1e-3)  # x - 1e-3 * grad: the input gradient is all the floor makes
+    step = jax.jit(C.train_step(loss, opt, with_loss=False), donate_argnums=(0, 1))
+    opt_state = opt.init(trainable)
     compiled = step.lower(trainable, opt_state, frozen, x).compile()
     state = (jax.tree.map(jnp.copy, trainable), opt_state)
-    return Runner(step, state, (frozen, x)), compiled
+    return C.Step(step, state, (frozen, x), aux=False), compiled
 
 
 class Cell:
@@ -178,44 +162,34 @@ class Cell:
             self.runners[impl] = runner
             self.mib[impl] = compiled.memory_analysis().temp_size_in_bytes / 2**20
         self.stack_mib = experts * d * 2 * d * 4 / 2**20
-        self.times = {impl: [] for impl in IMPLS}
-        self.runners["lorax"].measure(2)  # warm up, then ~0.3 s per measurement
-        self.n_inner = max(1, int(0.3 / self.runners["lorax"].measure(2)))
+
+
+def _row(c: Cell) -> dict[str, Any]:
+    t = c.times
+    ratio = lambda x, y: C.median(C.paired(t[x], t[y]))  # noqa: E731
+    return dict(
+        cell=c.label, d=c.d, rank=c.rank, tokens=c.tokens, experts=c.experts,
+        lorax_ms=1e3 * C.median(t["lorax"]), hand_ms=1e3 * C.median(t["hand"]),
+        lorax_over_hand=ratio("lorax", "hand"), lorax_over_full=ratio("lorax", "full"),
+        lorax_over_floor=ratio("lorax", "floor"), hand_over_floor=ratio("hand", "floor"),
+        **{f"temp_{n}_stacks": c.mib[n] / c.stack_mib for n in IMPLS})
 
 
 def main(argv: list[str] | None = None) -> Path:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true")
-    p.add_argument("--out", default=None)
-    p.add_argument("--rounds", type=int, default=None)
-    a = p.parse_args(argv)
-    cfg = QUICK if a.quick else DEFAULT
-    rounds = a.rounds or cfg["rounds"]
-    out = C.out_dir(a.out)
-    t0 = time.perf_counter()
-    cells = [Cell(d, r, t, cfg["experts"]) for d in cfg["dim"] for r in cfg["rank"]
-             for t in cfg["tokens"]]
-    C.interleaved_rounds(cells, rounds, "moe", lambda c: dict(cell=c.label), t0)
-    rows = []
-    for c in cells:
-        t = c.times
-        ratio = lambda x, y: C.median(u / v for u, v in zip(t[x], t[y]))  # noqa: E731
-        rows.append(dict(
-            cell=c.label, d=c.d, rank=c.rank, tokens=c.tokens, experts=c.experts,
-            lorax_ms=1e3 * C.median(t["lorax"]), hand_ms=1e3 * C.median(t["hand"]),
-            lorax_over_hand=ratio("lorax", "hand"), lorax_over_full=ratio("lorax", "full"),
-            lorax_over_floor=ratio("lorax", "floor"), hand_over_floor=ratio("hand", "floor"),
-            temp_lorax_stacks=c.mib["lorax"] / c.stack_mib, temp_hand_stacks=c.mib["hand"] / c.stack_mib,
-            temp_full_stacks=c.mib["full"] / c.stack_mib, temp_floor_stacks=c.mib["floor"] / c.stack_mib))
-    C.write_csv(out / "moe.csv", rows)
+    a = C.parse(C.parser(__doc__), argv, DEFAULT, QUICK)
+    specs = [(d, r, t, a.cfg["experts"]) for d in a.cfg["dim"] for r in a.cfg["rank"]
+             for t in a.cfg["tokens"]]
+    clock, cells, raw = C.measure_cells("moe", specs, Cell, a.rounds, 0.3, cap=1000)
+    rows = [_row(c) for c in cells]
+    return C.write_results(a.out, "moe", rows, _markdown(rows), clock.facts(f"{a.rounds} rounds"), raw)
+
+
+def _markdown(rows: list[dict]) -> list[str]:
     header = ["cell", "lorax ms", "lorax / hand", "lorax / full FT", "lorax / floor",
               "hand / floor", "temps (expert stacks): lorax", "hand", "full FT", "floor"]
     keys = ["lorax_ms", "lorax_over_hand", "lorax_over_full", "lorax_over_floor", "hand_over_floor",
             "temp_lorax_stacks", "temp_hand_stacks", "temp_full_stacks", "temp_floor_stacks"]
-    md = C.md_table(header, [[r["cell"], *(f"{r[k]:.3g}" for k in keys)] for r in rows])
-    (out / "moe.md").write_text(C.machine_md({"rounds": rounds}) + "\n\n" + md + "\n")
-    print(md)
-    return out
+    return [C.md_table(header, [[r["cell"], *(f"{r[k]:.3g}" for k in keys)] for r in rows])]
 
 
 if __name__ == "__main__":

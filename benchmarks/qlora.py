@@ -25,9 +25,7 @@ ratio to `dense` paired within each round, medians.
 
 from __future__ import annotations
 
-import argparse
 import sys
-import time
 import warnings
 from pathlib import Path
 from typing import Any, Callable
@@ -133,25 +131,16 @@ def _random_gguf(kernels: dict, qtype: str) -> dict:
 # -- one implementation's step -----------------------------------------------------------
 
 
-class Runner(C.Timed):
-    def __init__(self, step: Callable, state: tuple, frozen: Any, x: jax.Array):
-        self.step, self.state, self.frozen, self.x = step, state, frozen, x
-
-    def call(self) -> Any:
-        self.state = self.step(*self.state, self.frozen, self.x)
-        return self.state[0]
-
-
-def _train_step(loss: Callable, opt: optax.GradientTransformation) -> Callable:
-    def step(trainable, opt_state, frozen, x):
-        grads = jax.grad(loss)(trainable, frozen, x)
-        updates, opt_state = opt.update(grads, opt_state, trainable)
-        return optax.apply_updates(trainable, updates), opt_state
-
-    return jax.jit(step, donate_argnums=(0, 1))
+def _runner(loss: Callable, trainable: Any, frozen: Any, x: jax.Array) -> tuple[C.Step, Any]:
+    """The jitted Adam step on `trainable` (donated) and its compiled executable."""
+    opt = optax.adam(1e-3)
+    step = jax.jit(C.train_step(loss, opt, with_loss=False), donate_argnums=(0, 1))
+    compiled = step.lower(trainable, opt.init(trainable), frozen, x).compile()
+    state = (jax.tree.map(jnp.copy, trainable), opt.init(trainable))
+    return C.Step(step, state, (frozen, x), aux=False), compiled
 
 
-def _lorax_runner(model: str, d: int, impl: str, x: jax.Array) -> tuple[Runner, Any]:
+def _lorax_runner(model: str, d: int, impl: str, x: jax.Array) -> tuple[C.Step, Any]:
     params = _mlp_params(d) if model == "mlp" else _scan_params(d)
     apply = _mlp_apply if model == "mlp" else _scan_apply
     if model == "mlp":
@@ -177,18 +166,13 @@ def _lorax_runner(model: str, d: int, impl: str, x: jax.Array) -> tuple[Runner, 
 
         def loss(t, f, x):
             return jnp.mean(fn(lorax.combine(t, f), x) ** 2)
-    opt = optax.adam(1e-3)
-    step = _train_step(loss, opt)
-    compiled = step.lower(trainable, opt.init(trainable), frozen, x).compile()
-    state = (jax.tree.map(jnp.copy, trainable), opt.init(trainable))
-    return Runner(step, state, frozen, x), compiled
+    return _runner(loss, trainable, frozen, x)
 
 
-def _nnx_runner(d: int, impl: str, x: jax.Array) -> tuple[Runner, Any]:
+def _nnx_runner(d: int, impl: str, x: jax.Array) -> tuple[C.Step, Any]:
     from flax import nnx
 
     module = blocks.make_nnx(d, 4)
-    opt = optax.adam(1e-3)
     if impl.startswith("qwix_"):
         import qwix
 
@@ -218,10 +202,7 @@ def _nnx_runner(d: int, impl: str, x: jax.Array) -> tuple[Runner, Any]:
 
         def loss(t, f, x):
             return jnp.mean(fn(lorax.combine(t, f), x) ** 2)
-    step = _train_step(loss, opt)
-    compiled = step.lower(trainable, opt.init(trainable), frozen, x).compile()
-    state = (jax.tree.map(jnp.copy, trainable), opt.init(trainable))
-    return Runner(step, state, frozen, x), compiled
+    return _runner(loss, trainable, frozen, x)
 
 
 def _impls(model: str, d: int) -> tuple[str, ...]:
@@ -239,7 +220,7 @@ class Cell:
             x = jax.random.normal(jax.random.PRNGKey(2), (64, d))
         else:
             x = jax.random.normal(jax.random.PRNGKey(2), (8, 128, d) if model == "scan" else (4, 128, d))
-        self.runners: dict[str, Runner] = {}
+        self.runners: dict[str, C.Step] = {}
         self.memory: dict[str, tuple[float, float]] = {}
         for impl in _impls(model, d):
             runner, compiled = (_nnx_runner(d, impl, x) if model == "nnx"
@@ -247,101 +228,66 @@ class Cell:
             m = compiled.memory_analysis()
             self.runners[impl] = runner
             self.memory[impl] = (m.argument_size_in_bytes, m.temp_size_in_bytes)
-        self.times: dict[str, list[float]] = {n: [] for n in self.runners}
-        warm = self.runners["dense"].measure(2)
-        self.n_inner = max(1, min(20, int(0.05 / max(warm, 1e-6))))
-        for r in self.runners.values():
-            r.measure(1)
+
+
+def _row(c: Cell, impl: str) -> dict[str, Any]:
+    lb = c.d * c.d * 4  # one d x d float32 weight
+    args_b, temp_b = c.memory[impl]
+    return dict(model=c.model, d=c.d, impl=impl, args_mib=args_b / 2**20, temp_mib=temp_b / 2**20,
+                temp_layers=temp_b / lb, extra_temp_layers=(temp_b - c.memory["dense"][1]) / lb,
+                args_vs_dense=args_b / c.memory["dense"][0], ms=C.median(c.times[impl]) * 1e3,
+                time_vs_dense=C.median(C.paired(c.times[impl], c.times["dense"])))
 
 
 def main(argv: list[str] | None = None) -> Path:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--quick", action="store_true")
-    p.add_argument("--out", default=None)
-    p.add_argument("--rounds", type=int, default=None)
-    p.add_argument("--models", default="mlp,scan,nnx", help="comma-separated subset")
-    a = p.parse_args(argv)
-    cfg = QUICK if a.quick else DEFAULT
-    rounds = a.rounds or cfg["rounds"]
-    out = C.out_dir(a.out)
-    t0 = time.perf_counter()
-    load_start = C.loadavg()
-    cells = []
-    for model in (m for m in ("mlp", "scan", "nnx") if m in a.models.split(",")):
-        if model == "nnx" and not HAVE_QWIX and not a.quick:
-            print("[qlora] qwix not installed: nnx cells without qwix", flush=True)
-        for d in cfg[model]:
-            cells.append(Cell(model, d))
-            print(f"[qlora] compiled {cells[-1].label} ({time.perf_counter() - t0:.0f}s)", flush=True)
-    raw = C.interleaved_rounds(cells, rounds, "qlora", lambda c: dict(cell=c.label), t0)
-    rows = []
-    for c in cells:
-        lb = c.d * c.d * 4  # one d x d float32 weight
-        for impl in c.runners:
-            args_b, temp_b = c.memory[impl]
-            ratios = [t / td for t, td in zip(c.times[impl], c.times["dense"])]
-            rows.append(dict(model=c.model, d=c.d, impl=impl,
-                             args_mib=args_b / 2**20, temp_mib=temp_b / 2**20,
-                             temp_layers=temp_b / lb,
-                             extra_temp_layers=(temp_b - c.memory["dense"][1]) / lb,
-                             args_vs_dense=args_b / c.memory["dense"][0],
-                             ms=C.median(c.times[impl]) * 1e3,
-                             time_vs_dense=C.median(ratios)))
-    C.write_csv(out / "qlora.csv", rows)
-    C.write_csv(out / "qlora_rounds.csv", raw)
-    (out / "qlora.md").write_text(_markdown(rows, rounds, load_start, time.perf_counter() - t0))
-    _plot(out / "qlora.png", rows)
-    print(f"[qlora] wrote {out / 'qlora.md'} ({time.perf_counter() - t0:.0f}s)", flush=True)
-    return out
+    a = C.parse(C.parser(__doc__, plot=True, models="mlp,scan,nnx"), argv, DEFAULT, QUICK)
+    if a.plot_only:
+        return C.replot(a.out, "qlora", _plot)
+    models = [m for m in ("mlp", "scan", "nnx") if m in a.models.split(",")]
+    if "nnx" in models and not HAVE_QWIX and not a.quick:
+        print("[qlora] qwix not installed: nnx cells without qwix", flush=True)
+    clock, cells, raw = C.measure_cells("qlora", [(m, d) for m in models for d in a.cfg[m]], Cell,
+                                        a.rounds, 0.05, cap=20)
+    rows = [_row(c, impl) for c in cells for impl in c.runners]
+    return C.write_results(a.out, "qlora", rows, _markdown(rows), clock.facts(f"{a.rounds} rounds"),
+                           raw, _plot)
 
 
-def _markdown(rows: list[dict], rounds: int, load_start: str, elapsed: float) -> str:
-    md = ["# QLoRA: a quantized frozen base", "",
-          C.machine_md({"load average (1/5/15 min) at start": load_start,
-                        "load average at end": C.loadavg(),
-                        "run": f"{rounds} rounds, {elapsed:.0f} s"}), "",
-          "Compiled memory of one training step (XLA's `memory_analysis()`) and step time. "
-          "`temp (layers)`: temporaries in units of one d x d float32 weight; `extra`: "
-          "temporaries beyond the dense-LoRA step's. `/ dense`: the step time paired with "
-          "the dense-LoRA step's in each round (median).", ""]
+def _markdown(rows: list[dict]) -> list[str]:
     header = ["model", "d", "impl", "arguments MiB", "args / dense", "temporaries MiB",
               "temp (layers)", "extra (layers)", "ms / step", "time / dense"]
     body = [[r["model"], r["d"], f"`{r['impl']}`", f"{r['args_mib']:.1f}",
              f"{r['args_vs_dense']:.2f}", f"{r['temp_mib']:.1f}", f"{r['temp_layers']:.2f}",
              f"{r['extra_temp_layers']:+.2f}", f"{r['ms']:.1f}", f"{r['time_vs_dense']:.2f}"]
             for r in rows]
-    md.append(C.md_table(header, body))
-    return "\n".join(md) + "\n"
+    return ["Compiled memory of one training step (XLA's `memory_analysis()`) and step time. "
+            "`temp (layers)`: temporaries in units of one d x d float32 weight; `extra`: "
+            "temporaries beyond the dense-LoRA step's. `/ dense`: the step time paired with "
+            "the dense-LoRA step's in each round (median).", "", C.md_table(header, body)]
 
 
-def _plot(path: Path, rows: list[dict]) -> None:
-    plt = C.pyplot("qlora")
-    if plt is None:
-        return
+def _plot(rows: list[dict], path: Path) -> None:
+    """Three panels stacked, one per question (arguments, extra temporaries, step time,
+    each against dense LoRA), grouped bars per cell, one colour per implementation."""
     cells = list(dict.fromkeys((r["model"], r["d"]) for r in rows))
     impls = list(dict.fromkeys(r["impl"] for r in rows))
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    fig, axes = C.small_multiples(3, 1, 2.55, sharex=True)
     width = 0.8 / len(impls)
-    for j, (key, label) in enumerate((("args_vs_dense", "arguments / dense LoRA"),
-                                      ("extra_temp_layers", "temporaries beyond dense LoRA (layers)"),
-                                      ("time_vs_dense", "step time / dense LoRA"))):
-        ax = axes[j]
+    for ax, (key, label, ref) in zip(axes[:, 0], (
+            ("args_vs_dense", "arguments / dense LoRA", 1.0),
+            ("extra_temp_layers", "temporaries beyond dense LoRA\n(d x d layers)", 0.0),
+            ("time_vs_dense", "step time / dense LoRA", 1.0))):
         for i, impl in enumerate(impls):
-            xs, ys = [], []
-            for c, cell in enumerate(cells):
-                r = next((r for r in rows if (r["model"], r["d"]) == cell and r["impl"] == impl), None)
-                if r is not None:
-                    xs.append(c + (i - len(impls) / 2 + 0.5) * width)
-                    ys.append(r[key])
-            ax.bar(xs, ys, width, label=impl)
-        ax.set_xticks(range(len(cells)), [f"{m}\nd{d}" for m, d in cells], fontsize=8)
-        ax.set_title(label, fontsize=10)
-        ax.axhline(1.0 if key != "extra_temp_layers" else 0.0, color="k", lw=0.6)
-    axes[0].legend(fontsize=7)
-    fig.suptitle("QLoRA vs dense LoRA: compiled memory and step time")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+            got = {(r["model"], r["d"]): r[key] for r in rows if r["impl"] == impl}
+            xs = [c + (i - len(impls) / 2 + 0.5) * width for c, cell in enumerate(cells) if cell in got]
+            ax.bar(xs, [got[cell] for cell in cells if cell in got], width, label=impl)
+        ax.axhline(ref, color="k", lw=0.7)
+        ax.set_ylabel(label)
+        ax.grid(True, axis="y", alpha=0.3)
+    axes[1, 0].set_yscale("symlog", linthresh=1)
+    axes[1, 0].yaxis.set_major_formatter(C.pyplot("qlora").matplotlib.ticker.FormatStrFormatter("%g"))
+    axes[-1, 0].set_xticks(range(len(cells)), [f"{m} d{d}" for m, d in cells])
+    C.finish(fig, axes, path, None, ncol=5, legend_rows=2)
 
 
 if __name__ == "__main__":

@@ -35,7 +35,6 @@ into one float32 copy of the whole stack).
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import importlib.util
 import os
@@ -240,8 +239,6 @@ def _whole_bytes(tree: Any) -> int:
 
 
 KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all")
-_BYTES = {"f64": 8, "f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2, "s16": 2, "u8": 1,
-          "s8": 1, "pred": 1, "s64": 8, "u64": 8}
 
 
 def _trip_counts(text: str) -> dict[str, int]:
@@ -274,8 +271,7 @@ def collective_bytes(text: str) -> dict[str, int]:
         for kind in KINDS:
             m = re.search(r"= (\(?[^=]*?) %s(?:-start)?\(" % kind, line)
             if m:
-                n = sum(int(np.prod([int(d) for d in dims.split(",") if d] or [1]))
-                        * _BYTES.get(dt, 4) for dt, dims in re.findall(r"(\w+)\[([\d,]*)\]", m.group(1)))
+                n = C.hlo_bytes(re.findall(r"(\w+)\[([\d,]*)\]", m.group(1)))
                 out[kind] += n * times.get(current, 1)
     return out
 
@@ -299,45 +295,62 @@ def measure(name: str, method: str, dtype_name: str, mesh: Mesh | None) -> dict:
 
 
 def markdown(rows: list[dict]) -> str:
-    lines = ["| model | method | dtype | devices | args GiB | temps GiB | peak GiB | "
-             "all-gather GiB | reduce-scatter GiB | all-reduce GiB |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        coll = [f"{r[f'{k}_gib']:.2f}" if f"{k}_gib" in r else "" for k in KINDS[:3]]
-        lines.append(f"| {r['model']} | {r['method']} | {r['dtype']} | {r['devices']} | "
-                     f"{r['args_gib']:.2f} | {r['temps_gib']:.2f} | {r['peak_gib']:.2f} | "
-                     + " | ".join(coll) + " |")
-    return "\n".join(lines)
+    return C.md_table(
+        ["model", "method", "dtype", "devices", "args GiB", "temps GiB", "peak GiB",
+         "all-gather GiB", "reduce-scatter GiB", "all-reduce GiB"],
+        [[r["model"], r["method"], r["dtype"], r["devices"], f"{r['args_gib']:.2f}",
+          f"{r['temps_gib']:.2f}", f"{r['peak_gib']:.2f}",
+          *(f"{r[f'{k}_gib']:.2f}" if r.get(f"{k}_gib", "") != "" else "" for k in KINDS[:3])]
+         for r in rows])
+
+
+METHODS = {"full": "full", "lora": "LoRA", "qlora-nf4": "nf4", "qlora-int8": "int8"}
+GPUS = ((24e9 / GiB, "24 GB"), (80e9 / GiB, "80 GB"))
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    plt = C.pyplot("scale")
-    if plt is None:
-        return
-    cells = [r for r in rows if r["dtype"] == "bf16"] or rows
-    fig, ax = plt.subplots(figsize=(9, 4))
-    labels = [f"{r['model']}\n{r['method']} x{r['devices']}" for r in cells]
-    ax.bar(range(len(cells)), [r["args_gib"] for r in cells], label="arguments")
-    ax.bar(range(len(cells)), [r["temps_gib"] for r in cells],
-           bottom=[r["args_gib"] for r in cells], label="temporaries")
-    ax.set_xticks(range(len(cells)), labels, rotation=90, fontsize=6)
-    ax.set_yscale("log")
-    ax.set_ylabel("GiB per device")
-    ax.set_title("Compiled training step, per device (bf16 compute)")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    """A panel per model: GiB per device (arguments, temporaries stacked) of each method,
+    on one device and under FSDP over 8, bf16 compute; GPU memory sizes drawn."""
+    rows = [r for r in rows if r["dtype"] == "bf16"] or rows
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    fig, axes = C.small_multiples(len(models), len(models), 3.0, sharey=True)
+    for ax, model in zip(axes[0], models):
+        methods = [m for m in METHODS if any(r["model"] == model and r["method"] == m for r in rows)]
+        pos = dict(zip(methods, C.group_ticks(ax, [("", [METHODS[m]]) for m in methods if "q" not in m]
+                                              + [("QLoRA", [METHODS[m] for m in methods if "q" in m])])))
+        for i, devices in enumerate((1, 8)):
+            got = {r["method"]: r for r in rows if r["model"] == model and r["devices"] == devices}
+            xs = [pos[m] + (i - 0.5) * 0.38 for m in methods if m in got]
+            args = [got[m]["args_gib"] for m in methods if m in got]
+            temps = [got[m]["temps_gib"] for m in methods if m in got]
+            color, where = ("C0", "1 device") if devices == 1 else ("C1", "FSDP x8, per device")
+            ax.bar(xs, args, 0.36, color=color, label=f"arguments, {where}")
+            ax.bar(xs, temps, 0.36, bottom=args, color=color, alpha=0.45, label=f"temporaries, {where}")
+            for m in (m for m in methods if m not in got):  # 70B full FT on one device: not run
+                ax.annotate("not run", xy=(pos[m] + (i - 0.5) * 0.38, 0), xycoords=("data", "axes fraction"),
+                            xytext=(0, 4), textcoords="offset points", ha="center", va="bottom",
+                            rotation=90, fontsize=9, color="0.4")
+        ax.set_title(model)
+    for ax in axes[0]:
+        for gib, label in GPUS:
+            C.target_line(ax, gib, label, color="0.3", style=":",
+                          place="right" if ax is axes[0][-1] else "")
+    axes[0][0].set_yscale("log")
+    axes[0][0].set_ylim(bottom=0.5 * min(r["args_gib"] for r in rows))  # the smallest bar shows
+    C.ratio_axis(axes, ticks=(0.01, 0.03, 0.1, 0.3, 1, 3, 10, 30, 100, 300, 1000))
+    C.finish(fig, axes, path, "GiB per device (bf16)", ncol=2, legend_rows=2)
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="a tiny model only")
+    parser = C.parser(__doc__, rounds=False, plot=True)
     parser.add_argument("--models", default="llama-3.2-1b,llama-3-8b,llama-3-70b")
     parser.add_argument("--methods", default="full,lora,qlora-nf4,qlora-int8")
     parser.add_argument("--dtypes", default="f32,bf16")
-    parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
+    out = C.out_dir(args.out)
+    if args.plot_only:
+        C.replot(out, "scale", plot)
+        return C.read_csv(out / "scale.csv")
     models = ["tiny"] if args.quick else args.models.split(",")
     mesh = Mesh(np.array(jax.devices()[:8]), ("fsdp",)) if len(jax.devices()) >= 8 else None
     if mesh is None:
@@ -354,11 +367,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     print(f"[scale] {name} {method} {dtype_name} x{row['devices']}: "
                           f"args {row['args_gib']:.2f} + temps {row['temps_gib']:.2f} GiB "
                           f"({row['compile_s']:.0f} s)", flush=True)
-    out = C.out_dir(args.out)
-    C.write_csv(out / "scale.csv", rows)
-    (out / "scale.md").write_text(
-        "# What fits where (compile only)\n\n" + markdown(rows) + "\n\n" + C.machine_md() + "\n")
-    plot(rows, out / "scale.png")
+    C.write_results(out, "scale", rows, [markdown(rows)], plot=plot)
     return rows
 
 

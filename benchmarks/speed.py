@@ -53,25 +53,11 @@ QUICK_MLP_GRID = dict(batch=(32,), dim=(64,), rank=(4,))
 QUICK_ATTN_GRID = dict(shape=((2, 16, 64),), rank=(4,))
 
 
-@dataclasses.dataclass
-class Runner(C.Timed):
-    """One implementation's jitted step plus the state it threads."""
-
-    built: I.Built
-    fn: Any = None
-    warm: float = float("nan")
-    first_loss: float = float("nan")
-
-    def __post_init__(self) -> None:
-        self.fn = self.built.jit()
-        self.state = self.built.state
-        self.const = self.built.const
-
-    def call(self) -> Any:
-        out = self.fn(*self.state, *self.const)
-        if self.state:
-            self.state = tuple(out[1:])
-        return out
+def _runner(built: I.Built) -> C.Step:
+    """One implementation's jitted step and the state it threads."""
+    r = C.Step(built.jit(), built.state, built.const)
+    r.built, r.first_loss = built, float("nan")
+    return r
 
 
 @dataclasses.dataclass
@@ -81,7 +67,7 @@ class Cell:
     seq: int  # 0 for the MLP
     dim: int
     rank: int
-    runners: dict[str, Runner]
+    runners: dict[str, C.Step]
     n_inner: int = 1
     same_hlo: dict[str, bool] = dataclasses.field(default_factory=dict)
     pytree_us: dict[str, float] = dataclasses.field(default_factory=dict)
@@ -89,28 +75,18 @@ class Cell:
 
     @property
     def label(self) -> str:
-        s = f"s{self.seq} " if self.seq else ""
-        return f"b{self.batch} {s}d{self.dim} k{self.rank}"
+        return _label(self.batch, self.seq, self.dim, self.rank)
 
 
-def _wait_quiet(limit: float, threshold: float) -> str:
-    t0 = time.perf_counter()
-    while True:
-        load = float(C.loadavg().split()[0])
-        if load < threshold:
-            return f"waited {time.perf_counter() - t0:.0f} s for load < {threshold}"
-        if time.perf_counter() - t0 > limit:
-            return (f"**machine not quiet**: 1-minute load {load} after waiting "
-                    f"{time.perf_counter() - t0:.0f} s (threshold {threshold})")
-        print(f"[speed] load {load} >= {threshold}, waiting", flush=True)
-        time.sleep(30)
+def _label(batch: int, seq: int, dim: int, rank: int) -> str:
+    s = f"s{seq} " if seq else ""
+    return f"b{batch} {s}d{dim} k{rank}"
 
 
-def _pytree_cost(r: Runner, reps: int = 200) -> float:
+def _pytree_cost(fn: Any, args: tuple, reps: int = 200) -> float:
     """Seconds to flatten a step's arguments and unflatten its outputs in Python: the
     pytree part of jit's per-call dispatch, which grows with custom pytree nodes."""
-    args = (*r.state, *r.const)
-    out_def = jax.tree_util.tree_structure(jax.eval_shape(r.built.fn, *args))
+    out_def = jax.tree_util.tree_structure(jax.eval_shape(fn, *args))
     out_leaves = [None] * out_def.num_leaves
     best = float("inf")
     for _ in range(3):
@@ -123,9 +99,7 @@ def _pytree_cost(r: Runner, reps: int = 200) -> float:
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--quick", action="store_true", help="two tiny cells, few rounds (smoke run)")
-    p.add_argument("--out", default=None, help="output directory (default benchmarks/results)")
+    p = C.parser(__doc__, rounds=False, plot=True)
     p.add_argument("--budget", type=float, default=None,
                    help="seconds for the whole run, compile included (default 840; quick 45)")
     p.add_argument("--max-rounds", type=int, default=None, help="default 30; quick 3")
@@ -167,9 +141,9 @@ def _cell_specs(a: argparse.Namespace) -> list[tuple[str, int, int, int, int]]:
     ag = dict(QUICK_ATTN_GRID if a.quick else ATTN_GRID)
     for axis in ("batch", "dim", "rank"):
         if getattr(a, f"mlp_{axis}"):
-            mg[axis] = tuple(int(v) for v in getattr(a, f"mlp_{axis}").split(","))
+            mg[axis] = C.ints(getattr(a, f"mlp_{axis}"))
     if a.attn_rank:
-        ag["rank"] = tuple(int(v) for v in a.attn_rank.split(","))
+        ag["rank"] = C.ints(a.attn_rank)
     specs = []
     if "mlp" in a.grids:
         specs += [("mlp", b, 0, d, k) for b in mg["batch"] for d in mg["dim"] for k in mg["rank"]]
@@ -190,39 +164,24 @@ def _cells(a: argparse.Namespace) -> list[Cell]:
         if key not in shared:
             model = _model(grid, b, s, d)
             w, x = I.make_weights(model), I.make_x(model)
-            indep = {n: Runner(I.build(n, model, w, x)) for n in ("full_ft", "floor") if n in a.impls}
+            indep = {n: _runner(I.build(n, model, w, x)) for n in ("full_ft", "floor") if n in a.impls}
             shared[key] = (model, w, x, indep)
         model, w, x, indep = shared[key]
         runners = {}
         for n in a.impls:
-            runners[n] = indep[n] if n in indep else Runner(I.build(n, model, w, x, rank=k))
+            runners[n] = indep[n] if n in indep else _runner(I.build(n, model, w, x, rank=k))
         cells.append(Cell(grid, b, s, d, k, runners))
     return cells
 
 
-def main(argv: list[str] | None = None) -> Path:
-    a = _parse(argv)
-    out = C.out_dir(a.out)
-    if a.hlo_only:
-        return _hlo_only(a, out)
-    waited = _wait_quiet(a.wait_quiet, a.quiet_load) if a.wait_quiet > 0 else ""
-    t_start = time.perf_counter()
-    load_start = C.loadavg()
-    print(f"[speed] load average at start: {load_start}", flush=True)
-
-    # 1. compile everything, check first-step losses, time one warm call.
-    cells = _cells(a)
-    seen: set[int] = set()
+def _check(cells: list[Cell]) -> list[str]:
+    """First call of every step: the same first-step loss as full FT everywhere; per cell,
+    which compiled steps are the hand-written one's, and the pytree cost per call."""
     problems = []
     for c in cells:
         for n, r in c.runners.items():
-            if id(r) not in seen:
-                seen.add(id(r))
-                first = r.call()
-                jax.block_until_ready(first)
-                if n != "floor":
-                    r.first_loss = float(first[0])
-                r.warm = r.measure(1)
+            if n != "floor" and math.isnan(r.first_loss):
+                r.first_loss = float(r.call()[0])
         ref = c.runners["full_ft"].first_loss
         for n, r in c.runners.items():
             if n not in ("floor", "full_ft") and not np.isclose(r.first_loss, ref, rtol=1e-4, atol=1e-6):
@@ -231,55 +190,49 @@ def main(argv: list[str] | None = None) -> Path:
         sig = {n: C.hlo_signature(r.fn.lower(*r.state, *r.const).compile().as_text())
                for n, r in c.runners.items() if n not in ("full_ft", "floor")}
         c.same_hlo = {n: sig[n] == sig["hand_lora"] for n in sig}
-        c.pytree_us = {n: 1e6 * _pytree_cost(r) for n, r in c.runners.items()}
-        fastest = min(r.warm for r in c.runners.values())
-        c.n_inner = max(1, min(50, math.ceil(a.min_measure / max(fastest, 1e-6))))
-        c.times = {n: [] for n in c.runners}
-        print(f"[speed] compiled {c.grid} {c.label} (n_inner={c.n_inner}, "
-              f"{time.perf_counter() - t_start:.0f}s)", flush=True)
+        c.pytree_us = {n: 1e6 * _pytree_cost(r.built.fn, (*r.state, *r.const))
+                       for n, r in c.runners.items()}
     for msg in problems:
         print("[speed] MISMATCH", msg, flush=True)
+    return problems
 
-    per_round = sum(r.warm * c.n_inner for c in cells for r in c.runners.values())
-    left = a.budget - (time.perf_counter() - t_start) - 5.0
-    rounds = int(max(a.min_rounds, min(a.max_rounds, left // max(per_round, 1e-9))))
-    print(f"[speed] ~{per_round:.1f}s per round, running {rounds} rounds", flush=True)
 
-    # 2. interleaved rounds.
-    names = list(cells[0].runners)
+def _row(c: Cell, n: str) -> dict[str, Any]:
+    ts = c.times[n]
+    return dict(grid=c.grid, batch=c.batch, seq=c.seq, dim=c.dim, rank=c.rank, impl=n,
+                rounds=len(ts), n_inner=c.n_inner, **C.time_cols(ts),
+                **C.ratio_cols("ratio_ft", ts, c.times["full_ft"]),
+                **C.ratio_cols("ratio_hand", ts, c.times["hand_lora"]),
+                first_loss=c.runners[n].first_loss, hlo_same_as_hand=c.same_hlo.get(n, ""),
+                pytree_us=c.pytree_us[n])
+
+
+def main(argv: list[str] | None = None) -> Path:
+    a = _parse(argv)
+    out = C.out_dir(a.out)
+    if a.plot_only:
+        return C.replot(out, "speed", _plot)
+    if a.hlo_only:
+        return _hlo_only(a, out)
+    waited = C.wait_quiet(a.wait_quiet, a.quiet_load, "speed") if a.wait_quiet > 0 else ""
+    clock = C.Clock("speed")
+    clock.log(f"load average at start: {clock.load_start}")
+
+    # 1. compile everything, check first-step losses, time one warm call.
+    cells = _cells(a)
+    problems = _check(cells)
+    C.calibrate(cells, a.min_measure)
+    rounds = C.rounds_in(cells, a.budget - clock.elapsed - 5.0, a.min_rounds, a.max_rounds)
+    clock.log(f"compiled {len(cells)} cells, running {rounds} rounds")
+
+    # 2. interleaved rounds; 3. paired ratios, medians over rounds.
     raw = C.interleaved_rounds(cells, rounds, "speed", lambda c: dict(grid=c.grid, cell=c.label),
-                               t_start)
-    load_end = C.loadavg()
-    elapsed = time.perf_counter() - t_start
-
-    # 3. paired ratios, medians over rounds.
-    rows = []
-    for c in cells:
-        ft, hand = c.times["full_ft"], c.times["hand_lora"]
-        for n in names:
-            ts = c.times[n]
-            r_ft = [t / f for t, f in zip(ts, ft)]
-            r_hand = [t / h for t, h in zip(ts, hand)]
-            rows.append(dict(
-                grid=c.grid, batch=c.batch, seq=c.seq, dim=c.dim, rank=c.rank, impl=n,
-                rounds=len(ts), n_inner=c.n_inner,
-                median_ms=1e3 * C.median(ts), p25_ms=1e3 * C.quantile(ts, 0.25),
-                p75_ms=1e3 * C.quantile(ts, 0.75),
-                ratio_ft=C.median(r_ft), ratio_ft_p25=C.quantile(r_ft, 0.25),
-                ratio_ft_p75=C.quantile(r_ft, 0.75),
-                ratio_hand=C.median(r_hand), ratio_hand_p25=C.quantile(r_hand, 0.25),
-                ratio_hand_p75=C.quantile(r_hand, 0.75),
-                first_loss=c.runners[n].first_loss,
-                hlo_same_as_hand=c.same_hlo.get(n, ""),
-                pytree_us=c.pytree_us[n],
-            ))
-    C.write_csv(out / "speed.csv", rows)
-    C.write_csv(out / "speed_rounds.csv", raw)
-    (out / "speed.md").write_text(_markdown(a, cells, rows, names, rounds, problems,
-                                            load_start, load_end, elapsed, waited))
-    _plot(out / "speed.png", cells, rows, names)
-    print(f"[speed] wrote {out / 'speed.md'} ({elapsed:.0f}s)", flush=True)
-    return out
+                               clock.t0)
+    rows = [_row(c, n) for c in cells for n in c.runners]
+    names = list(cells[0].runners)
+    facts = clock.facts(f"{'--quick, ' if a.quick else ''}{rounds} rounds")
+    facts["quiet-machine wait"] = waited
+    return C.write_results(out, "speed", rows, _markdown(rows, names, problems), facts, raw, _plot)
 
 
 def _hlo_only(a: argparse.Namespace, out: Path) -> Path:
@@ -287,75 +240,43 @@ def _hlo_only(a: argparse.Namespace, out: Path) -> Path:
     a.impls = [n for n in a.impls if n not in ("full_ft", "floor")]
     rows = []
     for grid, bt, sq, d, k in _cell_specs(a):
-        c = Cell(grid, bt, sq, d, k, {})
+        label = _label(bt, sq, d, k)
         model = _model(grid, bt, sq, d)
         w, x = I.make_weights(model, abstract=True), I.make_x(model, abstract=True)
         sig, cost = {}, {}
         for n in a.impls:
-            b = I.build(n, model, w, x, rank=c.rank, abstract=True)
+            b = I.build(n, model, w, x, rank=k, abstract=True)
             sig[n] = C.hlo_signature(b.jit().lower(*b.args).compile().as_text())
-            cost[n] = 1e6 * _pytree_cost(Runner(b))
+            cost[n] = 1e6 * _pytree_cost(b.fn, b.args)
         for n in a.impls:
-            rows.append(dict(grid=c.grid, cell=c.label, impl=n, hlo_same_as_hand=sig[n] == sig["hand_lora"],
+            rows.append(dict(grid=grid, cell=label, impl=n, hlo_same_as_hand=sig[n] == sig["hand_lora"],
                              pytree_us=cost[n]))
-        print(f"[speed --hlo-only] {c.grid} {c.label}: " + ", ".join(
+        print(f"[speed --hlo-only] {grid} {label}: " + ", ".join(
             f"{n} {'=' if sig[n] == sig['hand_lora'] else '!='} hand, {cost[n]:.0f}us" for n in a.impls), flush=True)
-    C.write_csv(out / "speed_hlo.csv", rows)
-    md = ["# Speed benchmark, compile-only part", "", C.machine_md(), "",
-          "Per cell: is the compiled HLO of each step the hand-written step's (entry-computation "
-          "instructions and every dot's dimension numbers; names and argument order ignored), and "
-          "the Python cost (µs) of flattening its arguments and unflattening its outputs, the pytree "
-          "part of jit's per-call dispatch.", ""]
     labels = list(dict.fromkeys((r["grid"], r["cell"]) for r in rows))
     get = {(r["grid"], r["cell"], r["impl"]): r for r in rows}
-    md.append(C.md_table(["grid", "cell"] + [f"`{n}`" for n in a.impls],
-                         [[g, cl] + [f"{'same' if get[(g, cl, n)]['hlo_same_as_hand'] else 'differs'}, "
-                                     f"{get[(g, cl, n)]['pytree_us']:.0f} µs" for n in a.impls]
-                          for g, cl in labels]))
-    (out / "speed_hlo.md").write_text("\n".join(md) + "\n")
-    print(f"[speed --hlo-only] wrote {out / 'speed_hlo.md'}", flush=True)
-    return out
+    md = ["Per cell: is the compiled HLO of each step the hand-written step's (entry-computation "
+          "instructions and every dot's dimension numbers; names and argument order ignored), and "
+          "the Python cost (µs) of flattening its arguments and unflattening its outputs, the pytree "
+          "part of jit's per-call dispatch.", "",
+          C.md_table(["grid", "cell"] + [f"`{n}`" for n in a.impls],
+                     [[g, cl] + [f"{'same' if get[(g, cl, n)]['hlo_same_as_hand'] else 'differs'}, "
+                                 f"{get[(g, cl, n)]['pytree_us']:.0f} µs" for n in a.impls]
+                      for g, cl in labels])]
+    return C.write_results(out, "speed_hlo", rows, md)
 
 
-def _markdown(a, cells, rows, names, rounds, problems, load_start, load_end, elapsed, waited) -> str:
+def _markdown(rows: list[dict], names: list[str], problems: list[str]) -> list[str]:
     by = {(r["grid"], r["batch"], r["seq"], r["dim"], r["rank"], r["impl"]): r for r in rows}
-    get = lambda c, n: by[(c.grid, c.batch, c.seq, c.dim, c.rank, n)]  # noqa: E731
-    md = ["# Training-step speed", ""]
-    md.append(C.machine_md({
-        "load average (1/5/15 min) at start": load_start,
-        "load average at end": load_end,
-        "run": f"{'--quick, ' if a.quick else ''}{rounds} rounds, {elapsed:.0f} s",
-        "quiet-machine wait": waited,
-    }))
-    md += ["", "Method: every step jitted and compiled first; interleaved rounds in one process "
-           "(each round runs every implementation once per cell, rotating order; one "
-           "measurement = `n_inner` back-to-back steps, `block_until_ready` at the end); "
-           "ratios paired within a round, medians over rounds. Training state donated in "
-           "every implementation; frozen weights passed as jit arguments. Loss = mean "
-           "square of the output; `optax.adam(1e-3)`.", ""]
-    md += ["Implementations:", ""] + [f"- `{n}`: {I.DESCRIPTIONS[n]}" for n in names] + [""]
+    cells = list(dict.fromkeys((r["grid"], r["batch"], r["seq"], r["dim"], r["rank"]) for r in rows))
+    label = {c: _label(*c[1:]) for c in cells}
+    get = lambda c, n: by[(*c, n)]  # noqa: E731
+    md = []
     if problems:
         md += ["**First-step loss mismatches:**", ""] + [f"- {p}" for p in problems] + [""]
 
-    # summary
-    md += ["## Summary", "",
-           "Per implementation, over all cells: the per-cell median ratio (paired per round) to "
-           "full fine-tuning and to the hand-written LoRA step.", ""]
-    srows = []
-    for grid in sorted({c.grid for c in cells}, reverse=True):
-        for n in names:
-            rs = [get(c, n) for c in cells if c.grid == grid]
-            ft = [r["ratio_ft"] for r in rs]
-            hd = [r["ratio_hand"] for r in rs]
-            worst = max(rs, key=lambda r: r["ratio_hand"])
-            wc = next(c for c in cells if get(c, n) is worst)
-            srows.append((grid, f"`{n}`", f"{C.median(ft):.3f}", f"{min(ft):.3f}", f"{max(ft):.3f}",
-                          f"{C.median(hd):.3f}", f"{max(hd):.3f} ({wc.label})"))
-    md.append(C.md_table(["grid", "impl", "/ full FT median", "min", "max",
-                          "/ hand-written median", "/ hand-written max (cell)"], srows))
-
     # targets
-    md += ["", "## Target: lorax / hand-written <= 1.05 in every cell", ""]
+    md += ["### Target: lorax / hand-written <= 1.05 in every cell", ""]
     for n in (x for x in I.LORAX_IMPLS if x in names):
         bad = [(c, get(c, n)) for c in cells if get(c, n)["ratio_hand"] > 1.05]
         worst = max(get(c, n)["ratio_hand"] for c in cells)
@@ -363,34 +284,51 @@ def _markdown(a, cells, rows, names, rounds, problems, load_start, load_end, ela
             md.append(f"- `{n}`: **holds** (max {worst:.3f} over {len(cells)} cells)")
         else:
             md.append(f"- `{n}`: **misses** in {len(bad)}/{len(cells)} cells (max {worst:.3f}): "
-                      + ", ".join(f"{c.grid} {c.label} {r['ratio_hand']:.3f} "
+                      + ", ".join(f"{c[0]} {label[c]} {r['ratio_hand']:.3f} "
                                   f"[p25 {r['ratio_hand_p25']:.3f}, p75 {r['ratio_hand_p75']:.3f}]"
                                   for c, r in bad))
+
+    # summary
+    md += ["", "### Summary", "",
+           "Per implementation, over all cells: the per-cell median ratio (paired per round) to "
+           "full fine-tuning and to the hand-written LoRA step.", ""]
+    srows = []
+    for grid in sorted({c[0] for c in cells}, reverse=True):
+        for n in names:
+            rs = [(c, get(c, n)) for c in cells if c[0] == grid]
+            ft = [r["ratio_ft"] for _, r in rs]
+            hd = [r["ratio_hand"] for _, r in rs]
+            wc, worst = max(rs, key=lambda cr: cr[1]["ratio_hand"])
+            srows.append((grid, f"`{n}`", f"{C.median(ft):.3f}", f"{min(ft):.3f}", f"{max(ft):.3f}",
+                          f"{C.median(hd):.3f}", f"{max(hd):.3f} ({label[wc]})"))
+    md.append(C.md_table(["grid", "impl", "/ full FT median", "min", "max",
+                          "/ hand-written median", "/ hand-written max (cell)"], srows))
 
     md += ["", "Python pytree cost per call (flatten the arguments + unflatten the outputs, "
            "part of jit's dispatch; µs, median over cells):", ""]
     md.append(C.md_table(["impl"] + [f"`{n}`" for n in names],
-                         [["µs"] + [f"{C.median(c.pytree_us[n] for c in cells):.0f}" for n in names]]))
+                         [["µs"] + [f"{C.median(get(c, n)['pytree_us'] for c in cells):.0f}"
+                                    for n in names]]))
     md += ["", "Compiled HLO (entry-computation instructions and every dot's dimension numbers, "
            "names and argument order ignored) identical to the hand-written step's in:", ""]
     for n in names:
         if n in ("full_ft", "floor", "hand_lora"):
             continue
-        same = sum(bool(c.same_hlo.get(n)) for c in cells)
+        same = sum(get(c, n)["hlo_same_as_hand"] is True for c in cells)
         md.append(f"- `{n}`: {same}/{len(cells)} cells")
 
     # per-cell tables
     for grid, title in (("mlp", "4-layer relu MLP"), ("attn", "Self-attention (Wq, Wk, Wv LoRA'd)")):
-        gc_ = [c for c in cells if c.grid == grid]
+        gc_ = [c for c in cells if c[0] == grid]
         if not gc_:
             continue
-        md += ["", f"## {title}", "",
+        md += ["", f"### {title}", "",
                "Median ms per step (ratio to full FT); last columns: lorax / hand-written "
                "(median of paired ratios, [p25, p75]).", ""]
         head = ["cell"] + [n for n in names] + [f"{n} / hand" for n in I.LORAX_IMPLS if n in names]
         trows = []
         for c in gc_:
-            row = [c.label]
+            row = [label[c]]
             for n in names:
                 r = get(c, n)
                 row.append(f"{r['median_ms']:.2f}" if n == "full_ft"
@@ -398,47 +336,45 @@ def _markdown(a, cells, rows, names, rounds, problems, load_start, load_end, ela
             for n in (x for x in I.LORAX_IMPLS if x in names):
                 r = get(c, n)
                 row.append(f"{r['ratio_hand']:.3f} [{r['ratio_hand_p25']:.2f}, {r['ratio_hand_p75']:.2f}]"
-                           + ("" if c.same_hlo.get(n, True) else " (HLO differs)"))
+                           + ("" if r["hlo_same_as_hand"] is not False else " (HLO differs)"))
             trows.append(row)
         md.append(C.md_table(head, trows))
-    return "\n".join(md) + "\n"
+
+    md += ["", "Method: every step jitted and compiled first; interleaved rounds in one process "
+           "(each round runs every implementation once per cell, rotating order; one "
+           "measurement = `n_inner` back-to-back steps, `block_until_ready` at the end); "
+           "ratios paired within a round, medians over rounds. Training state donated in "
+           "every implementation; frozen weights passed as jit arguments. Loss = mean "
+           "square of the output; `optax.adam(1e-3)`.", ""]
+    md += ["Implementations:", ""] + [f"- `{n}`: {I.DESCRIPTIONS[n]}" for n in names]
+    return md
 
 
-def _plot(path: Path, cells, rows, names) -> None:
-    plt = C.pyplot("speed")
-    if plt is None:
-        return
-    by = {(r["grid"], r["batch"], r["seq"], r["dim"], r["rank"], r["impl"]): r for r in rows}
-    grids = [g for g in ("mlp", "attn") if any(c.grid == g for c in cells)]
-    widths = [sum(c.grid == g for c in cells) for g in grids]
-    fig, axes = plt.subplots(1, len(grids), figsize=(max(8, 0.45 * sum(widths) + 4), 5.5),
-                             gridspec_kw=dict(width_ratios=widths), squeeze=False)
-    markers = dict(full_ft="", naive_lora="s", hand_lora="o", lorax_partition="^",
-                   lorax_wrap="v", floor="_", quax_lora="x")
-    for ax, g in zip(axes[0], grids):
-        gc_ = [c for c in cells if c.grid == g]
-        xs = range(len(gc_))
-        for n in names:
-            if n == "full_ft":
-                continue
-            ys = [by[(c.grid, c.batch, c.seq, c.dim, c.rank, n)]["ratio_ft"] for c in gc_]
-            ax.plot(xs, ys, marker=markers.get(n, "."), linestyle="-", linewidth=0.8, label=n)
-        ax.axhline(1.0, color="k", linewidth=0.8, linestyle="--")
-        ax.set_yscale("log")
-        ax.yaxis.set_major_formatter(plt.matplotlib.ticker.FormatStrFormatter("%g"))
-        ax.yaxis.set_minor_formatter(plt.matplotlib.ticker.FormatStrFormatter("%g"))
-        ax.tick_params(axis="y", which="minor", labelsize=7)
-        ax.set_xticks(list(xs))
-        ax.set_xticklabels([c.label for c in gc_], rotation=70, fontsize=7)
-        ax.set_title("4-layer MLP" if g == "mlp" else "self-attention")
-        ax.set_ylabel("step time / full fine-tuning (median of paired ratios)")
-        ax.grid(True, which="both", axis="y", alpha=0.3)
-    axes[0][-1].legend(fontsize=8)
-    fig.suptitle(f"Training-step time relative to full fine-tuning ({C.cpu_model()}, jax {jax.__version__})",
-                 fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+MARKERS = dict(naive_lora="s", hand_lora="o", lorax_partition="^", lorax_wrap="v", floor="_",
+               quax_lora="x")
+
+
+def _plot(rows: list[dict], path: Path) -> None:
+    """Small multiples: one panel per MLP width and one for self-attention, each cell's
+    step time over full fine-tuning's, one line per implementation."""
+    panels: dict[tuple, list[dict]] = {}
+    for r in rows:
+        panels.setdefault((r["grid"], r["dim"] if r["grid"] == "mlp" else 0), []).append(r)
+    fig, axes = C.small_multiples(len(panels), 2 if len(panels) > 1 else 1, 3.0, sharey=True)
+    impls = [n for n in dict.fromkeys(r["impl"] for r in rows) if n != "full_ft"]
+    for ax, ((grid, dim), prs) in zip(axes.flat, panels.items()):
+        by = {(r["batch"], r["seq"], r["dim"], r["rank"], r["impl"]): r["ratio_ft"] for r in prs}
+        shapes = list(dict.fromkeys((r["batch"], r["seq"], r["dim"]) for r in prs))
+        ranks = sorted({r["rank"] for r in prs})
+        xs = C.group_ticks(ax, [(f"batch {b}" if grid == "mlp" else f"d{d}, {b}x{s}",
+                                 [f"k{k}" for k in ranks]) for b, s, d in shapes])
+        for n in impls:
+            C.plot_groups(ax, xs, [by[(*shape, k, n)] for shape in shapes for k in ranks], len(ranks),
+                          marker=MARKERS.get(n, "."), linewidth=0.9, markersize=5, label=n)
+        C.target_line(ax, 1.0, "full fine-tuning", color="k")
+        ax.set_title(f"4-layer MLP, d{dim}" if grid == "mlp" else "self-attention")
+    C.ratio_axis(axes)
+    C.finish(fig, axes, path, "step time / full FT", ncol=3, legend_rows=2)
 
 
 if __name__ == "__main__":

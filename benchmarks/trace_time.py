@@ -53,9 +53,7 @@ def _time_one(impl: str, layers: int) -> tuple[float, float, float, float]:
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--quick", action="store_true", help="one repetition, 1 and 2 layers (smoke run)")
-    p.add_argument("--out", default=None, help="output directory (default benchmarks/results)")
+    p = C.parser(__doc__, rounds=False)
     p.add_argument("--reps", type=int, default=None, help="repetitions (default 7; quick 1)")
     p.add_argument("--layers", default=None, help="comma-separated (default 4,32; quick 1,2)")
     a = p.parse_args(argv)
@@ -64,80 +62,78 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     return a
 
 
-def main(argv: list[str] | None = None) -> Path:
-    a = _parse(argv)
-    out = C.out_dir(a.out)
-    load_start = C.loadavg()
-    t_start = time.perf_counter()
+def _measure(a: argparse.Namespace, clock: C.Clock) -> list[dict[str, Any]]:
+    """Every implementation at every depth, `a.reps` times, rotating the order."""
     for impl in ("lorax_partition", "hand_lora")[: 1 if a.quick else 2]:
         _time_one(impl, 1)  # warm-up: first-use initialisation
     raw: list[dict[str, Any]] = []
     for rep in range(a.reps):
         for layers in a.layers:
-            names = IMPLS[rep % len(IMPLS):] + IMPLS[: rep % len(IMPLS)]
-            for impl in names:
+            for impl in IMPLS[rep % len(IMPLS):] + IMPLS[: rep % len(IMPLS)]:
                 jax.clear_caches()
                 gc.collect()
                 lower, comp, trace, cpu = _time_one(impl, layers)
                 raw.append(dict(rep=rep, layers=layers, impl=impl, lower_s=lower, compile_s=comp,
                                 trace_s=trace, lower_cpu_s=cpu))
-        print(f"[trace_time] rep {rep + 1}/{a.reps} ({time.perf_counter() - t_start:.0f}s)", flush=True)
-    load_end = C.loadavg()
+        clock.log(f"rep {rep + 1}/{a.reps}")
+    return raw
 
-    rows = []
-    for layers in a.layers:
-        hand = {r["rep"]: r for r in raw if r["layers"] == layers and r["impl"] == "hand_lora"}
-        for impl in IMPLS:
-            rs = [r for r in raw if r["layers"] == layers and r["impl"] == impl]
-            lo = [r["lower_s"] for r in rs]
-            co = [r["compile_s"] for r in rs]
-            tot = [r["lower_s"] + r["compile_s"] for r in rs]
-            h = [hand[r["rep"]] for r in rs]
-            rows.append(dict(
-                layers=layers, dim=DIM, impl=impl, reps=len(rs),
-                trace_ms=1e3 * C.median(r["trace_s"] for r in rs),
-                lower_ms=1e3 * C.median(lo), compile_ms=1e3 * C.median(co), total_ms=1e3 * C.median(tot),
-                trace_ratio_hand=C.median(r["trace_s"] / x["trace_s"] for r, x in zip(rs, h)),
-                lower_ratio_hand=C.median(r["lower_s"] / x["lower_s"] for r, x in zip(rs, h)),
-                lower_cpu_ms=1e3 * C.median(r["lower_cpu_s"] for r in rs),
-                lower_cpu_ratio_hand=C.median(r["lower_cpu_s"] / x["lower_cpu_s"] for r, x in zip(rs, h)),
-                compile_ratio_hand=C.median(r["compile_s"] / x["compile_s"] for r, x in zip(rs, h)),
-                total_ratio_hand=C.median((r["lower_s"] + r["compile_s"]) / (x["lower_s"] + x["compile_s"])
-                                          for r, x in zip(rs, h)),
-                lower_ms_min=1e3 * min(lo), lower_ms_max=1e3 * max(lo),
-            ))
-    C.write_csv(out / "trace_time.csv", rows)
+
+def _row(raw: list[dict[str, Any]], layers: int, impl: str) -> dict[str, Any]:
+    rs = [r for r in raw if r["layers"] == layers and r["impl"] == impl]
+    hand = {r["rep"]: r for r in raw if r["layers"] == layers and r["impl"] == "hand_lora"}
+    h = [hand[r["rep"]] for r in rs]
+    col = lambda k: [r[k] for r in rs]  # noqa: E731
+    ref = lambda k: [x[k] for x in h]  # noqa: E731
+    tot = lambda xs: [x["lower_s"] + x["compile_s"] for x in xs]  # noqa: E731
+    return dict(
+        layers=layers, dim=DIM, impl=impl, reps=len(rs),
+        trace_ms=1e3 * C.median(col("trace_s")), lower_ms=1e3 * C.median(col("lower_s")),
+        compile_ms=1e3 * C.median(col("compile_s")), total_ms=1e3 * C.median(tot(rs)),
+        trace_ratio_hand=C.median(C.paired(col("trace_s"), ref("trace_s"))),
+        lower_ratio_hand=C.median(C.paired(col("lower_s"), ref("lower_s"))),
+        lower_cpu_ms=1e3 * C.median(col("lower_cpu_s")),
+        lower_cpu_ratio_hand=C.median(C.paired(col("lower_cpu_s"), ref("lower_cpu_s"))),
+        compile_ratio_hand=C.median(C.paired(col("compile_s"), ref("compile_s"))),
+        total_ratio_hand=C.median(C.paired(tot(rs), tot(h))),
+        lower_ms_min=1e3 * min(col("lower_s")), lower_ms_max=1e3 * max(col("lower_s")))
+
+
+def main(argv: list[str] | None = None) -> Path:
+    a = _parse(argv)
+    out = C.out_dir(a.out)
+    clock = C.Clock("trace_time")
+    raw = _measure(a, clock)
+    rows = [_row(raw, layers, impl) for layers in a.layers for impl in IMPLS]
     C.write_csv(out / "trace_time_raw.csv", raw)
+    return C.write_results(out, "trace_time", rows, _markdown(rows),
+                           clock.facts(f"{'--quick, ' if a.quick else ''}{a.reps} repetitions"))
 
-    md = ["# Trace + lower and compile time", "",
-          C.machine_md({"load average at start": load_start, "load average at end": load_end,
-                        "run": f"{'--quick, ' if a.quick else ''}{a.reps} repetitions, "
-                               f"{time.perf_counter() - t_start:.0f} s"}), "",
-          f"Relu MLP, dim {DIM}, batch {BATCH}, rank {RANK}; the full training step (value_and_grad + "
-          "adam + apply). `trace+lower` = `jax.jit(step).lower(*args)`, timed as `.trace(*args)` "
-          "(`trace`: Python tracing, the lorax re-trace included) then `.lower()`; `compile` = "
-          "`.compile()`; `CPU` = process CPU time of trace+lower (less sensitive to other "
-          "processes' load than wall time). Fresh functions and `jax.clear_caches()` before every "
-          "measurement; medians over repetitions; ratios to hand-written paired per repetition.", ""]
-    md.append(C.md_table(
-        ["layers", "impl", "trace ms", "trace+lower ms", "compile ms", "total ms", "trace / hand",
-         "**trace+lower / hand**", "trace+lower CPU / hand", "compile / hand", "total / hand"],
-        [(r["layers"], f"`{r['impl']}`", f"{r['trace_ms']:.1f}", f"{r['lower_ms']:.1f}",
-          f"{r['compile_ms']:.1f}", f"{r['total_ms']:.1f}", f"{r['trace_ratio_hand']:.2f}",
-          f"**{r['lower_ratio_hand']:.2f}**", f"{r['lower_cpu_ratio_hand']:.2f}",
-          f"{r['compile_ratio_hand']:.2f}",
-          f"{r['total_ratio_hand']:.2f}") for r in rows]))
-    top = max(a.layers)
-    md += ["", f"## Target: trace time <= 1.2 x hand-written at {top} layers", ""]
+
+def _markdown(rows: list[dict[str, Any]]) -> list[str]:
+    top = max(r["layers"] for r in rows)
+    md = [f"### Target: trace time <= 1.2 x hand-written at {top} layers", ""]
     for r in rows:
         if r["layers"] == top and r["impl"] != "hand_lora":
             ok = r["lower_ratio_hand"] <= 1.2
             md.append(f"- `{r['impl']}`: trace+lower / hand = {r['lower_ratio_hand']:.2f} "
                       f"({'**holds**' if ok else '**misses**'}); CPU time {r['lower_cpu_ratio_hand']:.2f}; "
                       f"trace+lower+compile / hand = {r['total_ratio_hand']:.2f}")
-    (out / "trace_time.md").write_text("\n".join(md) + "\n")
-    print(f"[trace_time] wrote {out / 'trace_time.md'}", flush=True)
-    return out
+    md += ["", C.md_table(
+        ["layers", "impl", "trace ms", "trace+lower ms", "compile ms", "total ms", "trace / hand",
+         "**trace+lower / hand**", "trace+lower CPU / hand", "compile / hand", "total / hand"],
+        [(r["layers"], f"`{r['impl']}`", f"{r['trace_ms']:.1f}", f"{r['lower_ms']:.1f}",
+          f"{r['compile_ms']:.1f}", f"{r['total_ms']:.1f}", f"{r['trace_ratio_hand']:.2f}",
+          f"**{r['lower_ratio_hand']:.2f}**", f"{r['lower_cpu_ratio_hand']:.2f}",
+          f"{r['compile_ratio_hand']:.2f}",
+          f"{r['total_ratio_hand']:.2f}") for r in rows]), "",
+        f"Relu MLP, dim {DIM}, batch {BATCH}, rank {RANK}; the full training step (value_and_grad + "
+        "adam + apply). `trace+lower` = `jax.jit(step).lower(*args)`, timed as `.trace(*args)` "
+        "(`trace`: Python tracing, the lorax re-trace included) then `.lower()`; `compile` = "
+        "`.compile()`; `CPU` = process CPU time of trace+lower (less sensitive to other "
+        "processes' load than wall time). Fresh functions and `jax.clear_caches()` before every "
+        "measurement; medians over repetitions; ratios to hand-written paired per repetition."]
+    return md
 
 
 if __name__ == "__main__":

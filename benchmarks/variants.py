@@ -20,11 +20,9 @@ ratio paired with `lora` within its round, medians. Memory: XLA's compiled
 
 from __future__ import annotations
 
-import argparse
 import sys
-import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -38,7 +36,7 @@ from jax import lax
 import lorax
 
 from . import _common as C
-from . import qlora
+from . import adapters, qlora
 
 IMPLS = ("lora", "dora", "hand_dora", "dropout")
 DEFAULT = dict(batch=(64, 256, 1024), dim=(512, 1024, 2048), rank=(8, 64), scan=(512, 1024),
@@ -49,19 +47,6 @@ DROPOUT = 0.1
 
 def _is_lora(x: Any) -> bool:
     return isinstance(x, lorax.LoraWeight)
-
-
-def _mlp_params(d: int, layers: int = 4) -> dict:
-    keys = jax.random.split(jax.random.PRNGKey(0), layers)
-    return {f"l{i}": jax.random.normal(k, (d, d)) / d**0.5 for i, k in enumerate(keys)}
-
-
-def _mlp_apply(params: dict, x: jax.Array, dot: Callable) -> jax.Array:
-    n = len(params)
-    for i in range(n):
-        x = dot(x, params[f"l{i}"])
-        x = jax.nn.relu(x) if i < n - 1 else x
-    return x
 
 
 def _hand_dora_dot(x: jax.Array, w: Any) -> jax.Array:
@@ -75,21 +60,9 @@ def _hand_dora_dot(x: jax.Array, w: Any) -> jax.Array:
     return y * (w.m / norm).reshape(w.m.shape[nb:]).squeeze(0)
 
 
-class Runner(C.Timed):
-    def __init__(self, step: Callable, state: tuple, frozen: Any, x: jax.Array, keyed: bool):
-        self.step, self.state, self.frozen, self.x, self.keyed = step, state, frozen, x, keyed
-        self.i = 0
-
-    def call(self) -> Any:
-        self.i += 1
-        extra = (jax.random.fold_in(jax.random.key(0), self.i),) if self.keyed else ()
-        self.state = self.step(*self.state, self.frozen, self.x, *extra)
-        return self.state[0]
-
-
-def _build(model: str, d: int, rank: int, impl: str, x: jax.Array) -> tuple[Runner, Any]:
+def _build(model: str, d: int, rank: int, impl: str, x: jax.Array) -> tuple[C.Step, Any]:
     if model == "mlp":
-        params, apply = _mlp_params(d), _mlp_apply
+        params, apply = adapters.mlp_params(d), adapters.mlp
         spec = {k: lorax.LoraSpec(rank, dora=impl.endswith("dora")) for k in params}
     else:
         params, apply = qlora._scan_params(d), qlora._scan_apply
@@ -117,17 +90,11 @@ def _build(model: str, d: int, rank: int, impl: str, x: jax.Array) -> tuple[Runn
             def loss(t, f, x):
                 return jnp.mean(fn(lorax.combine(t, f), x) ** 2)
     opt = optax.adam(1e-3)
-
-    def step(trainable, opt_state, frozen, x, *key):
-        grads = jax.grad(loss)(trainable, frozen, x, *key)
-        updates, opt_state = opt.update(grads, opt_state, trainable)
-        return optax.apply_updates(trainable, updates), opt_state
-
-    step = jax.jit(step, donate_argnums=(0, 1))
+    step = jax.jit(C.train_step(loss, opt, with_loss=False), donate_argnums=(0, 1))
     extra = (jax.random.key(0),) if keyed else ()
     compiled = step.lower(trainable, opt.init(trainable), frozen, x, *extra).compile()
     state = (jax.tree.map(jnp.copy, trainable), opt.init(trainable))
-    return Runner(step, state, frozen, x, keyed), compiled
+    return C.Step(step, state, (frozen, x), aux=False, keyed=keyed), compiled
 
 
 class Cell:
@@ -139,71 +106,40 @@ class Cell:
         else:
             self.label = f"scan d{d} k{rank}"
             x = jax.random.normal(jax.random.PRNGKey(2), (8, 128, d))
-        self.runners: dict[str, Runner] = {}
+        self.runners: dict[str, C.Step] = {}
         self.temp: dict[str, int] = {}
         for impl in IMPLS:
             runner, compiled = _build(model, d, rank, impl, x)
             self.runners[impl] = runner
             self.temp[impl] = compiled.memory_analysis().temp_size_in_bytes
-        self.times: dict[str, list[float]] = {n: [] for n in self.runners}
-        warm = self.runners["lora"].measure(2)
-        self.n_inner = max(1, min(20, int(0.05 / max(warm, 1e-6))))
-        for r in self.runners.values():
-            r.measure(1)
+
+
+def _specs(cfg: dict, models: list[str], quick: bool) -> list[tuple[str, int, int, int]]:
+    """(model, batch, d, rank) of every cell."""
+    specs = []
+    if "mlp" in models:
+        specs += [("mlp", b, d, k) for b in cfg["batch"] for d in cfg["dim"] for k in cfg["rank"]]
+    if "scan" in models:
+        specs += [("scan", 1024, d, 4 if quick else 8) for d in cfg["scan"]]
+    return specs
 
 
 def main(argv: list[str] | None = None) -> Path:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--quick", action="store_true")
-    p.add_argument("--out", default=None)
-    p.add_argument("--rounds", type=int, default=None)
-    p.add_argument("--models", default="mlp,scan", help="comma-separated subset")
-    a = p.parse_args(argv)
-    cfg = QUICK if a.quick else DEFAULT
-    rounds = a.rounds or cfg["rounds"]
-    out = C.out_dir(a.out)
-    t0 = time.perf_counter()
-    load_start = C.loadavg()
-    cells = []
-    models = a.models.split(",")
-    if "mlp" in models:
-        for b in cfg["batch"]:
-            for d in cfg["dim"]:
-                for k in cfg["rank"]:
-                    cells.append(Cell("mlp", b, d, k))
-                    print(f"[variants] compiled {cells[-1].label} ({time.perf_counter() - t0:.0f}s)",
-                          flush=True)
-    if "scan" in models:
-        for d in cfg["scan"]:
-            cells.append(Cell("scan", 1024, d, 8 if not a.quick else 4))
-            print(f"[variants] compiled {cells[-1].label} ({time.perf_counter() - t0:.0f}s)", flush=True)
-    raw = C.interleaved_rounds(cells, rounds, "variants", lambda c: dict(cell=c.label), t0)
-    rows = []
-    for c in cells:
-        lb = c.d * c.d * 4
-        for impl in IMPLS:
-            ratios = [t / tl for t, tl in zip(c.times[impl], c.times["lora"])]
-            rows.append(dict(model=c.model, batch=c.batch, d=c.d, rank=c.rank, impl=impl,
-                             ms=C.median(c.times[impl]) * 1e3, time_vs_lora=C.median(ratios),
-                             extra_temp_layers=(c.temp[impl] - c.temp["lora"]) / lb))
-    C.write_csv(out / "variants.csv", rows)
-    C.write_csv(out / "variants_rounds.csv", raw)
-    (out / "variants.md").write_text(_markdown(rows, rounds, load_start, time.perf_counter() - t0))
-    _plot(out / "variants.png", rows)
-    print(f"[variants] wrote {out / 'variants.md'} ({time.perf_counter() - t0:.0f}s)", flush=True)
-    return out
+    a = C.parse(C.parser(__doc__, plot=True, models="mlp,scan"), argv, DEFAULT, QUICK)
+    if a.plot_only:
+        return C.replot(a.out, "variants", _plot)
+    clock, cells, raw = C.measure_cells("variants", _specs(a.cfg, a.models.split(","), a.quick),
+                                        Cell, a.rounds, 0.05, cap=20)
+    rows = [dict(model=c.model, batch=c.batch, d=c.d, rank=c.rank, impl=impl,
+                 ms=C.median(c.times[impl]) * 1e3,
+                 time_vs_lora=C.median(C.paired(c.times[impl], c.times["lora"])),
+                 extra_temp_layers=(c.temp[impl] - c.temp["lora"]) / (c.d * c.d * 4))
+            for c in cells for impl in IMPLS]
+    return C.write_results(a.out, "variants", rows, _markdown(rows), clock.facts(f"{a.rounds} rounds"),
+                           raw, _plot)
 
 
-def _markdown(rows: list[dict], rounds: int, load_start: str, elapsed: float) -> str:
-    md = ["# LoRA variants: DoRA and LoRA dropout vs plain LoRA", "",
-          C.machine_md({"load average (1/5/15 min) at start": load_start,
-                        "load average at end": C.loadavg(),
-                        "run": f"{rounds} rounds, {elapsed:.0f} s"}), "",
-          "Step time of one training step (partition path, Adam), paired with plain lorax "
-          "LoRA's step in each round (median of the ratios); `extra temp`: compiled "
-          "temporaries beyond plain LoRA's, in units of one d x d float32 weight. DoRA's "
-          "norm costs one `(k x d) . (d x d)` product per weight per step, so its floor "
-          "over LoRA's ~`2 * batch * d^2` per weight is about `1 + k / (2 * batch)`.", ""]
+def _markdown(rows: list[dict]) -> list[str]:
     header = ["model", "batch", "d", "rank", "`dora` / lora", "`hand_dora` / lora",
               "`dropout` / lora", "floor `1 + k/2b`", "extra temp `dora`",
               "extra temp `hand_dora`", "lora ms"]
@@ -218,35 +154,37 @@ def _markdown(rows: list[dict], rounds: int, load_start: str, elapsed: float) ->
                      f"{by['dropout']['time_vs_lora']:.2f}", f"{1 + rank / (2 * tokens):.2f}",
                      f"{by['dora']['extra_temp_layers']:+.2f}",
                      f"{by['hand_dora']['extra_temp_layers']:+.2f}", f"{by['lora']['ms']:.1f}"])
-    md.append(C.md_table(header, body))
-    return "\n".join(md) + "\n"
+    return ["Step time of one training step (partition path, Adam), paired with plain lorax "
+            "LoRA's step in each round (median of the ratios); `extra temp`: compiled "
+            "temporaries beyond plain LoRA's, in units of one d x d float32 weight. DoRA's "
+            "norm costs one `(k x d) . (d x d)` product per weight per step, so its floor "
+            "over LoRA's ~`2 * batch * d^2` per weight is about `1 + k / (2 * batch)`.", "",
+            C.md_table(header, body)]
 
 
-def _plot(path: Path, rows: list[dict]) -> None:
-    plt = C.pyplot("variants")
-    if plt is None:
-        return
-    cells = list(dict.fromkeys((r["model"], r["batch"], r["d"], r["rank"]) for r in rows))
-    fig, ax = plt.subplots(figsize=(max(8, 0.45 * len(cells)), 4.2))
+def _plot(rows: list[dict], path: Path) -> None:
+    """Small multiples, a panel per model and rank: each variant's step time over plain
+    LoRA's per cell, the 1.15 aim drawn."""
+    panels = list(dict.fromkeys((r["model"], r["rank"]) for r in rows))
+    fig, axes = C.small_multiples(len(panels), 1, 2.2, sharey=True)
     impls = [i for i in IMPLS if i != "lora"]
-    width = 0.8 / len(impls)
-    for i, impl in enumerate(impls):
-        ys = [next(r["time_vs_lora"] for r in rows
-                   if (r["model"], r["batch"], r["d"], r["rank"]) == c and r["impl"] == impl)
-              for c in cells]
-        ax.bar([j + (i - len(impls) / 2 + 0.5) * width for j in range(len(cells))], ys, width,
-               label=impl)
-    ax.axhline(1.0, color="k", lw=0.6)
-    ax.axhline(1.15, color="r", lw=0.6, ls="--", label="1.15x")
-    ax.set_xticks(range(len(cells)),
-                  [f"{m}\nb{b} d{d}\nk{k}" if m == "mlp" else f"{m}\nd{d}\nk{k}"
-                   for m, b, d, k in cells], fontsize=6)
-    ax.set_ylabel("step time / plain LoRA")
-    ax.legend(fontsize=7)
-    ax.set_title("DoRA and LoRA dropout: training step vs plain LoRA")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    for ax, (model, rank) in zip(axes.flat, panels):
+        prs = [r for r in rows if (r["model"], r["rank"]) == (model, rank)]
+        batches = list(dict.fromkeys(r["batch"] for r in prs))
+        ds = list(dict.fromkeys(r["d"] for r in prs))
+        by = {(r["batch"], r["d"], r["impl"]): r["time_vs_lora"] for r in prs}
+        xs = C.group_ticks(ax, [(f"batch {b}" if model == "mlp" else "8×128 tokens",
+                                 [f"d{d}" for d in ds]) for b in batches])
+        width = 0.8 / len(impls)
+        for i, impl in enumerate(impls):
+            ax.bar([x + (i - len(impls) / 2 + 0.5) * width for x in xs],
+                   [by[(b, d, impl)] for b in batches for d in ds], width, label=impl, color=f"C{i}")
+        ax.axhline(1.0, color="k", lw=0.6)
+        C.target_line(ax, 1.15, "aim: 1.15 × plain LoRA", place="legend")
+        ax.grid(True, axis="y", alpha=0.3)
+        ax.set_title(f"{model}, rank {rank}")
+        ax.grid(True, axis="y", alpha=0.3)
+    C.finish(fig, axes, path, "step / plain LoRA", ncol=4)
 
 
 if __name__ == "__main__":
