@@ -184,7 +184,11 @@ def placed(tree: Any, mesh: Mesh | None) -> Any:
 # -- the step --------------------------------------------------------------------------------
 
 
-def compile_step(cfg: Any, method: str, dtype: Any, mesh: Mesh | None, seq: int) -> Any:
+def compile_step(cfg: Any, method: str, dtype: Any, mesh: Mesh | None, seq: int,
+                 per_device: bool = False) -> Any:
+    """The jitted Adam step on abstract parameters, compiled. `per_device`: a window per
+    device (FSDP's usual batch, split along the batch); else one window, whatever the
+    mesh (the single-device job spread over the devices, split along its tokens)."""
     params, spec = build(cfg, method, dtype)
     trainable, frozen = lorax.partition(placed(params, mesh), spec)
     optimizer = optax.adam(1e-4)
@@ -194,10 +198,10 @@ def compile_step(cfg: Any, method: str, dtype: Any, mesh: Mesh | None, seq: int)
             optimizer, lambda s, p: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=p.sharding),
             state, trainable, transform_non_params=lambda s: jax.ShapeDtypeStruct(
                 s.shape, s.dtype, sharding=NamedSharding(mesh, P())))
-    # One 1 x seq window whatever the mesh: FSDP over 8 devices runs the same job.
+    n = mesh.size if per_device and mesh is not None else 1
     windows = jax.ShapeDtypeStruct(
-        (1, seq + 1), jnp.int32,
-        sharding=None if mesh is None else NamedSharding(mesh, P()))
+        (n, seq + 1), jnp.int32,
+        sharding=None if mesh is None else NamedSharding(mesh, P("fsdp" if n > 1 else None)))
     apply = lorax.lora(lambda p, w: LLAMA.loss(cfg, p, w), on_materialize="allow")
 
     def step(trainable, frozen, opt_state, windows):
@@ -207,19 +211,19 @@ def compile_step(cfg: Any, method: str, dtype: Any, mesh: Mesh | None, seq: int)
         return optax.apply_updates(trainable, updates), opt_state, loss
 
     jitted = jax.jit(step, donate_argnums=(0, 2))
-    with _activations_on_sequence(mesh):
+    with _activations_pinned(mesh, per_device):
         compiled = jitted.lower(trainable, frozen, state, windows).compile()
     return compiled, _whole_bytes((trainable, frozen, state, windows))
 
 
 @contextlib.contextmanager
-def _activations_on_sequence(mesh: Mesh | None):
-    """Each layer's activations pinned to the sequence axis: the job has one sequence,
-    so its tokens are what the devices split (MaxText's logical-axis rules pin a layer's
-    activations the same way), or XLA's propagation may keep them whole per device."""
+def _activations_pinned(mesh: Mesh | None, per_device: bool):
+    """Each layer's activations pinned to the batch axis (a window per device) or to the
+    sequence axis (one window: its tokens are what the devices split), as MaxText's
+    logical-axis rules pin them, or XLA's propagation may keep them whole per device."""
     block = LLAMA.block
     if mesh is not None:
-        tokens = NamedSharding(mesh, P(None, "fsdp"))
+        tokens = NamedSharding(mesh, P("fsdp") if per_device else P(None, "fsdp"))
         LLAMA.block = lambda cfg, x, layer: jax.lax.with_sharding_constraint(
             block(cfg, jax.lax.with_sharding_constraint(x, tokens), layer), tokens)
     try:
@@ -276,14 +280,16 @@ def collective_bytes(text: str) -> dict[str, int]:
     return out
 
 
-def measure(name: str, method: str, dtype_name: str, mesh: Mesh | None) -> dict:
+def measure(name: str, method: str, dtype_name: str, mesh: Mesh | None,
+            per_device: bool = False) -> dict:
     cfg, seq = config(name), MODELS[name][-1]
     dtype = jnp.bfloat16 if dtype_name == "bf16" else jnp.float32
     t0 = time.perf_counter()
-    compiled, whole = compile_step(cfg, method, dtype, mesh, seq)
+    compiled, whole = compile_step(cfg, method, dtype, mesh, seq, per_device)
     m = compiled.memory_analysis()
-    row = dict(model=name, method=method, dtype=dtype_name,
-               devices=1 if mesh is None else mesh.size,
+    devices = 1 if mesh is None else mesh.size
+    row = dict(model=name, method=method, dtype=dtype_name, devices=devices,
+               batch=f"{devices if per_device else 1}x{seq}",
                args_gib=m.argument_size_in_bytes / GiB, temps_gib=m.temp_size_in_bytes / GiB,
                peak_gib=(m.argument_size_in_bytes + m.temp_size_in_bytes
                          + m.output_size_in_bytes - m.alias_size_in_bytes) / GiB,
@@ -296,9 +302,9 @@ def measure(name: str, method: str, dtype_name: str, mesh: Mesh | None) -> dict:
 
 def markdown(rows: list[dict]) -> str:
     return C.md_table(
-        ["model", "method", "dtype", "devices", "args GiB", "temps GiB", "peak GiB",
+        ["model", "method", "dtype", "devices", "batch", "args GiB", "temps GiB", "peak GiB",
          "all-gather GiB", "reduce-scatter GiB", "all-reduce GiB"],
-        [[r["model"], r["method"], r["dtype"], r["devices"], f"{r['args_gib']:.2f}",
+        [[r["model"], r["method"], r["dtype"], r["devices"], r["batch"], f"{r['args_gib']:.2f}",
           f"{r['temps_gib']:.2f}", f"{r['peak_gib']:.2f}",
           *(f"{r[f'{k}_gib']:.2f}" if r.get(f"{k}_gib", "") != "" else "" for k in KINDS[:3])]
          for r in rows])
@@ -311,6 +317,7 @@ GPUS = ((24e9 / GiB, "24 GB"), (80e9 / GiB, "80 GB"))
 def plot(rows: list[dict], path: Path) -> None:
     """A panel per model: GiB per device (arguments, temporaries stacked) of each method,
     on one device and under FSDP over 8, bf16 compute; GPU memory sizes drawn."""
+    rows = [r for r in rows if str(r.get("batch", "1x")).startswith("1x")]  # the same job
     rows = [r for r in rows if r["dtype"] == "bf16"] or rows
     models = list(dict.fromkeys(r["model"] for r in rows))
     fig, axes = C.small_multiples(len(models), len(models), 3.0, sharey=True)
@@ -359,12 +366,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for name in models:
         for method in args.methods.split(","):
             for dtype_name in args.dtypes.split(","):
-                for m in (None, mesh) if mesh is not None else (None,):
+                layouts = [(None, False)] + ([(mesh, False), (mesh, True)] if mesh else [])
+                for m, per_device in layouts:
                     if name == "llama-3-70b" and method == "full" and m is None:
                         continue  # 70B full FT on one device: ~1.1 TiB, nothing to learn
-                    row = measure(name, method, dtype_name, m)
+                    row = measure(name, method, dtype_name, m, per_device)
                     rows.append(row)
-                    print(f"[scale] {name} {method} {dtype_name} x{row['devices']}: "
+                    print(f"[scale] {name} {method} {dtype_name} x{row['devices']} "
+                          f"{row['batch']}: "
                           f"args {row['args_gib']:.2f} + temps {row['temps_gib']:.2f} GiB "
                           f"({row['compile_s']:.0f} s)", flush=True)
     C.write_results(out, "scale", rows, [markdown(rows)], plot=plot)
