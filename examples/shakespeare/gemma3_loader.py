@@ -164,7 +164,7 @@ class GemmaTokenizer:
         self.scores = np.asarray(meta["tokenizer.ggml.scores"], np.float32).tolist()
         types = np.asarray(meta["tokenizer.ggml.token_type"])
         self.ids = {t: i for i, t in enumerate(self.tokens)}  # llama.cpp: the last one wins
-        self.bytes = {int(self.tokens[i][3:5], 16): i for i in np.nonzero(types == _BYTE)[0]}
+        self.bytes = {int(self.tokens[i][3:5], 16): int(i) for i in np.nonzero(types == _BYTE)[0]}
         special = sorted((self.tokens[i] for i in np.nonzero((types == _CONTROL) | (types == _USER_DEFINED))[0]
                           if self.tokens[i]), key=len, reverse=True)
         self._split = re.compile("(" + "|".join(map(re.escape, special)) + ")")
