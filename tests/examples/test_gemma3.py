@@ -132,7 +132,10 @@ def test_jax_model_agrees_with_llama_cpp(compared):
     q4km = serve.agreement(compared["ours"], compared["q4km"])
     print(f"\nF32 copy: {f32}\nQ4_K_M file: {q4km}")
     assert f32["positions"] == 32
-    assert f32["top1_agreement"] == 1.0 and f32["mean_abs_dlogprob"] <= 1e-3
+    # Measured 9.8e-4 at these positions (7.6e-4 at the main job's): about 3e-4 of it is
+    # ggml's CPU GELU, which rounds its input and output to f16 (a lookup table); the
+    # bound leaves room for other llama.cpp builds.
+    assert f32["top1_agreement"] == 1.0 and f32["mean_abs_dlogprob"] <= 1.5e-3
     # llama.cpp rounds activations to 8 bits in its quantized matmuls: SmolLM2's Q4_1 order.
     assert q4km["mean_abs_dlogprob"] <= 0.1
     wrong = serve.agreement(compared["one_rope"], compared["f32"])
