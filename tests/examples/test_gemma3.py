@@ -177,3 +177,12 @@ def test_main_job_quick_run(tmp_path):
     assert cpp["f32_base"]["top1_agreement"] == 1.0
     assert cpp["f32_adapter"]["mean_abs_dlogprob"] < 1e-2
     assert cpp["adapter"]["mean_abs_dlogprob"] < 0.5
+
+
+def test_terms_notice_prints_once(tmp_path, capsys):
+    from examples.shakespeare import gemma3_loader
+
+    assert gemma3_loader.print_terms_once(tmp_path) is True
+    assert "Gemma Terms of Use" in capsys.readouterr().out
+    assert gemma3_loader.print_terms_once(tmp_path) is False
+    assert capsys.readouterr().out == ""
