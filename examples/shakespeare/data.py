@@ -73,3 +73,9 @@ def eval_windows(tokens: np.ndarray, n: int, seq: int) -> np.ndarray:
     if n > 1 and np.diff(starts).min() < seq + 1:
         raise ValueError(f"{n} windows of {seq + 1} tokens do not fit in {len(tokens)} tokens")
     return np.stack([tokens[s : s + seq + 1] for s in starts])
+
+
+def with_bos(windows: np.ndarray, bos: int) -> np.ndarray:
+    """`(B, seq + 1)` windows that start with `bos`, then the first `seq` tokens of each."""
+    windows = np.asarray(windows)
+    return np.concatenate([np.full((len(windows), 1), bos, windows.dtype), windows[:, :-1]], axis=1)

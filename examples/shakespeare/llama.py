@@ -10,6 +10,7 @@ input is kept), and the loss goes over the vocabulary in chunks, so the full
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -118,11 +119,15 @@ def loss(cfg: Config, params, windows):
     `optax.softmax_cross_entropy_with_integer_labels` on the full logits.
     """
     h = hidden_states(cfg, params, windows[:, :-1])
-    targets = windows[:, 1:]
-    embed = params["embed"]
+    return tied_loss(h, params["embed"], windows[:, 1:], cfg.vocab)
+
+
+def tied_loss(h, embed, targets, vocab: int):
+    """Mean cross-entropy of hidden states `h` (B, T, dim) against `targets` (B, T) through
+    the tied `(vocab, dim)` output layer `embed`, `VOCAB_CHUNKS` slices of it at a time."""
     target_logit = jnp.einsum("btd,btd->bt", h, embed[targets])
-    n = VOCAB_CHUNKS if cfg.vocab % VOCAB_CHUNKS == 0 else 1
-    size = cfg.vocab // n
+    n = VOCAB_CHUNKS if vocab % VOCAB_CHUNKS == 0 else 1
+    size = vocab // n
 
     @jax.checkpoint
     def chunk(carry, i):
@@ -170,12 +175,19 @@ def generate(cfg: Config, params, prompt, n_new: int, key, temperature=1.0, top_
     The same `key` gives the same random numbers at every step, so two parameter sets
     sampled with it differ only because their weights do.
     """
+    return sample_loop(functools.partial(hidden_states, cfg), params, prompt, n_new, key,
+                       temperature, top_p)
+
+
+def sample_loop(hidden, params, prompt, n_new: int, key, temperature, top_p):
+    """`generate` for any model whose `hidden(params, tokens)` gives final hidden states
+    and whose output layer is the tied `params["embed"]`."""
     n_prompt = prompt.shape[0]
     buf = jnp.zeros(n_prompt + n_new, jnp.int32).at[:n_prompt].set(prompt)
 
     def step(i, carry):
         buf, key = carry
-        h = hidden_states(cfg, params, buf[None])[0, i - 1]
+        h = hidden(params, buf[None])[0, i - 1]
         key, sub = jax.random.split(key)
         token = sample_token(h @ params["embed"].T, sub, temperature, top_p)
         return buf.at[i].set(token.astype(jnp.int32)), key

