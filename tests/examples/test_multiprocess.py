@@ -62,7 +62,8 @@ def _files(d: pathlib.Path) -> dict[str, bytes]:
                                              d / "peft" / "adapter_model.safetensors")}
 
 
-@pytest.mark.parametrize("qtype", [None, "nf4"])
+# The QLoRA case is the default path's representative (~20 s per run); the dense one is slow.
+@pytest.mark.parametrize("qtype", [pytest.param(None, marks=pytest.mark.slow), "nf4"])
 def test_two_processes_train_and_save_like_one(tmp_path, qtype):
     """A dense base, and a quantized one (FSDP-QLoRA: codes sharded like W)."""
     base = [sys.executable, str(EXAMPLE), *ARGS, *(["--qtype", qtype] if qtype else [])]
@@ -92,6 +93,9 @@ def test_two_processes_train_and_save_like_one(tmp_path, qtype):
 from kill_during_save import KILLER  # noqa: E402
 
 
+# ~35 s: slow; a kill during a save is in the default path with one process
+# (tests/examples/test_checkpointing.py).
+@pytest.mark.slow
 def test_two_processes_killed_during_a_save_resume_to_the_same_adapter(tmp_path):
     """Both processes die while checkpoint 4 is being written (after its files, before
     orbax commits it); run again, they resume from checkpoint 2 and write the adapter an
