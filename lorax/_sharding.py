@@ -185,10 +185,10 @@ def gathered(x: Any, mesh: Any) -> Any:
     if mesh is None or _manual(x):
         return x
     # Gathering a flattened view keeps the all-gather on this slice. A plain constraint
-    # lets sharding propagation move the gather up to the scan's per-layer slice, still `(1, ...)`-shaped, and
-    # layout assignment then wants the gathered axis outermost on the whole stack: a
-    # relaid-out copy of every layer's codes, hoisted out of the loop (3.9 GiB per
-    # device for Llama-3-70B under FSDP over 8).
+    # lets sharding propagation move the gather up to the scan's per-layer slice, still
+    # `(1, ...)`-shaped, and layout assignment then wants the gathered axis outermost on
+    # the whole stack: a relaid-out copy of every layer's codes, hoisted out of the loop
+    # (3.9 GiB per device for Llama-3-70B under FSDP over 8).
     whole = jax.lax.with_sharding_constraint(x.reshape(-1), NamedSharding(mesh, PartitionSpec()))
     return whole.reshape(x.shape)
 
