@@ -18,10 +18,11 @@ recipe: NF4 with double-quantized absmax values) and `qlora-int8` (the frozen we
 quantized: every `(in, out)` kernel and the embedding; norms stay dense), rank 16 on q,
 k, v, o, gate, up, down. Dtypes: `f32` (everything float32), `bf16` (the base and
 activations bf16, factors and optimizer state float32; full FT in bf16 with bf16 Adam
-moments). Every cell runs the same job, one 1 x seq window. FSDP over 8 devices shards
-every weight (and its codes) along its last axis, each factor along the weight's axis
-or else its own largest one (ZeRO-3: no device holds all the factors or moments), and
-each layer's activations along the sequence.
+moments). On one device the job is one 1 x seq window. FSDP over 8 devices shards every
+weight (and its codes) along its last axis, each factor along the weight's axis or else
+its own largest one (ZeRO-3: no device holds all the factors or moments), and runs
+either the same window, each layer's activations split along the sequence (`batch`
+1 x seq), or a window per device, split along the batch (`batch` 8 x seq).
 
 Attention is the main job's, queries in chunks of 512 (`llama.QUERY_CHUNK`), so no
 `(T, T)` score matrix per head is whole. XLA:CPU has no bf16 arithmetic: a bf16 step
@@ -137,20 +138,20 @@ def build(cfg: Any, method: str, dtype: Any) -> tuple[Any, dict]:
 # -- FSDP layouts ----------------------------------------------------------------------------
 
 
+def _on_axis(d: int, ndim: int) -> P:
+    return P(*[("fsdp" if i == d else None) for i in range(ndim)])
+
+
 def _weight_spec(shape: tuple[int, ...], ways: int) -> P:
     """Shard the last axis that splits evenly (FSDP), or replicate."""
-    for d in reversed(range(len(shape))):
-        if len(shape) >= 2 and shape[d] % ways == 0:
-            return P(*[("fsdp" if i == d else None) for i in range(len(shape))])
-    return P()
+    axes = [d for d in range(len(shape)) if shape[d] % ways == 0] if len(shape) >= 2 else []
+    return _on_axis(axes[-1], len(shape)) if axes else P()
 
 
 def _largest_axis_spec(shape: tuple[int, ...], ways: int) -> P:
+    """Shard the largest axis that splits evenly, or replicate."""
     axes = [d for d in range(len(shape)) if shape[d] % ways == 0]
-    if not axes:
-        return P()
-    d = max(axes, key=lambda d: shape[d])
-    return P(*[("fsdp" if i == d else None) for i in range(len(shape))])
+    return _on_axis(max(axes, key=lambda d: shape[d]), len(shape)) if axes else P()
 
 
 def _place(x: Any, mesh: Mesh) -> Any:
@@ -160,8 +161,8 @@ def _place(x: Any, mesh: Mesh) -> Any:
         a_spec, b_spec = factor_specs(spec, x.ndim, x.structure[0], x.axes.m)
         # ZeRO-3: a factor the weight's layout leaves whole is sharded on its own
         # largest axis, so no device holds every layer's factors and moments.
-        a_spec, b_spec = (s if s != P(*[None] * len(f.shape)) and any(s) else
-                          _largest_axis_spec(f.shape, ways) for s, f in ((a_spec, x.a), (b_spec, x.b)))
+        a_spec, b_spec = (s if any(s) else _largest_axis_spec(f.shape, ways)
+                          for s, f in ((a_spec, x.a), (b_spec, x.b)))
         w = _place_dense_or_quantized(x.w, spec, mesh)
         sds = lambda y, s: jax.ShapeDtypeStruct(y.shape, y.dtype, sharding=NamedSharding(mesh, s))  # noqa: E731
         return lorax.LoraWeight(w, sds(x.a, a_spec), sds(x.b, b_spec), alpha=x.alpha)

@@ -472,10 +472,8 @@ def _blocks(qa: QuantizedArray, cut: Any) -> QuantizedArray:
 def _trimmed(qa: QuantizedArray, trim: Any) -> Array:
     """The dense value of `qa`'s (already cut) blocks, trimmed by `trim(values, axis)`
     along the block axis, which is then put back in its place."""
-    # A sharded table's cut blocks are gathered as codes, as `_dense_storage` does.
-    mesh = _engine.current_mesh()
-    qa = _rebuild(qa, tuple(None if x is None else gathered(x, mesh) for x in _leaves(qa)))
-    v = trim(qa.dequantize_storage(), qa.codes.ndim - 2)
+    # Through `_dense_storage`: a sharded table's cut blocks are gathered as codes.
+    v = trim(_dense_storage(_meta(qa), _leaves(qa), None), qa.codes.ndim - 2)
     return jnp.moveaxis(v, -1, qa.ndim + qa.axis)
 
 
