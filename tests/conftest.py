@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import os
 
-# Eight simulated CPU devices for the sharding tests (tests/test_sharding.py). XLA reads
-# the flag when JAX first initialises its backend, so it is set before anything can;
-# single-device code (every other test) still runs on device 0 alone.
-_DEVICES_FLAG = "--xla_force_host_platform_device_count"
-if _DEVICES_FLAG not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_DEVICES_FLAG}=8".strip()
+# XLA reads its flags when JAX first initialises its backend, so they are set before
+# anything can: eight simulated CPU devices and LLVM at -O0 (tests/xla_flags.py says why).
+from xla_flags import session_flags
+
+os.environ["XLA_FLAGS"] = session_flags(os.environ.get("XLA_FLAGS", ""))
+# llama.cpp's threads spin-wait: beside a second worker on two cores, one thread runs the
+# llama.cpp checks two to three times faster than two (examples/shakespeare/llamacpp.py).
+os.environ.setdefault("LLAMACPP_THREADS", "1")
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402

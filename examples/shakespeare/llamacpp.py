@@ -57,8 +57,12 @@ def server(gguf_path: str | os.PathLike, *, lora: Sequence[tuple[str, float]] = 
     tokens. `f32_attention` keeps attention in float32: a float32 KV cache and no flash
     attention (llama.cpp's CPU flash attention works in f16 whatever the cache type; its
     defaults are an f16 cache and flash attention on).
-    `verbosity` 0 silences llama.cpp's log (3 is the server's usual info level)."""
+    `verbosity` 0 silences llama.cpp's log (3 is the server's usual info level).
+    `n_threads` defaults to `$LLAMACPP_THREADS`, else llama.cpp's choice (all cores). On a
+    machine whose cores are busy with other work (the test suite's second worker), 1 is
+    much faster: llama.cpp's threads spin-wait at each of the graph's barriers."""
     xlc = _xllamacpp()
+    n_threads = n_threads or int(os.environ.get("LLAMACPP_THREADS") or 0)
     for path in [gguf_path, *(p for p, _ in lora)]:
         if not os.path.isfile(path):  # the server only says "Failed to init server"
             raise FileNotFoundError(path)
@@ -124,8 +128,7 @@ def next_token_logprobs(gguf_path: str | os.PathLike, prompts: Sequence[Sequence
     top-1 agreement ~94%. With an F32 GGUF (the same weights dequantised) it is 0.0014
     mean / 0.008 max, and 0.0002 / 0.0003 with `f32_attention=True`.
 
-    `n_threads` defaults to llama.cpp's choice (all cores); on a busy 2-core machine
-    `n_threads=1` is steadier (llama.cpp's OpenMP threads spin-wait)."""
+    `n_threads`: see `server`."""
     if not prompts:
         return []
     if any(len(p) == 0 for p in prompts):

@@ -535,10 +535,10 @@ def main(argv=None):
     }
     (out_dir / "results.json").write_text(json.dumps(result, indent=1))
     if quantized and args.compare_dense:
-        dense = run_dense_comparison(argv if argv is not None else sys.argv[1:], out_dir,
-                                     args.checkpoint_dir)
+        dense = run_dense_comparison(argv, out_dir, args.checkpoint_dir)
         result["dense"] = dense
         print_comparison(result, dense)
+        (out_dir / "results.json").write_text(json.dumps(result, indent=1))
     return result
 
 

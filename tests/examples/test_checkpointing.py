@@ -11,7 +11,6 @@ which renames the temporary directory, kills the process instead).
 from __future__ import annotations
 
 import importlib.util
-import os
 import pathlib
 import re
 import signal
@@ -20,6 +19,7 @@ import sys
 
 import jax
 import pytest
+import xla_flags
 
 ocp = pytest.importorskip("orbax.checkpoint")
 
@@ -31,8 +31,7 @@ from kill_during_save import KILLER  # noqa: E402  (the wrapper that places the 
 
 
 def _run(directory, kill=None):
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
-    env.pop("XLA_FLAGS", None)  # one device, as a user's run
+    env = xla_flags.env(PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")  # one device, as a user's run
     cmd = [sys.executable, str(EXAMPLE), "--dir", str(directory), *ARGS]
     if kill is not None:
         cmd = [sys.executable, "-c", KILLER, kill[0], str(kill[1]), *cmd[1:]]
@@ -92,8 +91,7 @@ MAIN_ARGS = ["--steps", "4", "--batch", "2", "--seq", "32", "--eval-windows", "2
 
 
 def _main_job(out, kill=None, resume=False):
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    env.pop("XLA_FLAGS", None)
+    env = xla_flags.env(PYTHONPATH=str(ROOT))
     args = [*MAIN_ARGS, "--out", str(out), "--checkpoint-dir", str(out / "ckpt")]
     cmd = [sys.executable, str(MAIN_JOB), *args, *(["--resume"] if resume else [])]
     if kill is not None:

