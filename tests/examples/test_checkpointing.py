@@ -91,7 +91,7 @@ MAIN_ARGS = ["--steps", "4", "--batch", "2", "--seq", "32", "--eval-windows", "2
 
 
 def _main_job(out, kill=None, resume=False):
-    env = xla_flags.env(PYTHONPATH=str(ROOT))
+    env = xla_flags.env(optimize=True, PYTHONPATH=str(ROOT))  # a real model: XLA's default
     args = [*MAIN_ARGS, "--out", str(out), "--checkpoint-dir", str(out / "ckpt")]
     cmd = [sys.executable, str(MAIN_JOB), *args, *(["--resume"] if resume else [])]
     if kill is not None:

