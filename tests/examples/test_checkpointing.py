@@ -3,9 +3,9 @@ ends with the same adapter, byte for byte, whether it ran straight through, was 
 between checkpoints, or was killed in the middle of writing one.
 
 Each run is a real process killed with SIGKILL. The kills are placed by a wrapper that
-patches orbax in the child only: after step K (`between`), or inside the save of step K
-after its files are written but before orbax commits it (`during`: its `_finalize`,
-which renames the temporary directory, kills the process instead).
+patches orbax in the child only (tests/examples/kill_during_save.py): after step K
+(`between`), or inside the save of step K after its files are written but before orbax
+commits it by renaming its temporary directory (`during`).
 """
 
 from __future__ import annotations
