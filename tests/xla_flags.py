@@ -32,7 +32,8 @@ def session_flags(flags: str) -> str:
 def env(optimize: bool = False, **extra: str) -> dict[str, str]:
     """The environment for a child process: the session's, with `extra` added, without
     the simulated devices (a user's run has one device; an example that wants more sets
-    its own) and, with `optimize`, with XLA's default optimisation."""
+    its own) and, with `optimize`, without any optimisation level (XLA's default, even
+    where the user had set one for the session)."""
     drop = (DEVICES, OPT_LEVEL) if optimize else (DEVICES,)
     flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith(drop)]
     out = {**os.environ, **extra, "XLA_FLAGS": " ".join(flags)}
