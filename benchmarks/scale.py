@@ -37,6 +37,7 @@ into one float32 copy of the whole stack).
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
 import os
 import re
@@ -61,6 +62,7 @@ import optax  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
 import lorax  # noqa: E402
+from lorax._quant._formats import get_format  # noqa: E402
 from lorax._sharding import factor_specs  # noqa: E402
 
 from . import _common as C  # noqa: E402
@@ -95,10 +97,13 @@ def _llama():
 LLAMA = _llama()
 
 
-def config(name: str) -> Any:
+def config(name: str, attention: str = "auto", remat: str = "layer") -> Any:
+    """The Llama config of `name`; `attention` and `remat` as `llama.Config` takes them
+    (the default: cuDNN's fused attention on a GPU, query chunks elsewhere; per-layer
+    remat)."""
     n, d, f, h, kv, _ = MODELS[name]
     vocab = 4096 if name == "tiny" else VOCAB
-    return LLAMA.Config(n, d, f, h, kv, 5e5, 1e-5, vocab)
+    return LLAMA.Config(n, d, f, h, kv, 5e5, 1e-5, vocab, attention=attention, remat=remat)
 
 
 def abstract_params(cfg: Any, dtype: Any) -> dict:
@@ -120,19 +125,41 @@ def spec_for(params: dict, method: str) -> dict:
     return {"embed": lorax.LORA_FREEZE, "final_norm": lorax.LORA_FREEZE, "layers": layer}
 
 
+KQUANTS = ("q2_k", "q3_k", "q4_k", "q5_k", "q6_k")
+
+
 def build(cfg: Any, method: str, dtype: Any) -> tuple[Any, dict]:
-    """Abstract parameters for a method (`LoraWeight`s, `QuantizedArray`s), and its spec."""
+    """Abstract parameters for a method (`LoraWeight`s, `QuantizedArray`s), and its spec.
+    `qlora-<qtype>`: every frozen matrix quantized (`lorax.quantize`'s rule; K-quants,
+    which only GGUF files carry, as `QuantizedArray.from_gguf` holds them)."""
     params = abstract_params(cfg, dtype)
     spec = spec_for(params, method)
     if method.startswith("qlora"):
         qtype = method.split("-")[1]
         # QLoRA's recipe: NF4 with its absmax values quantized too (double quantization).
-        params = jax.eval_shape(lambda p: lorax.quantize(
-            p, spec, qtype, dtype=dtype, double_quant=qtype == "nf4"), params)
+        quantize = _kquantize if qtype in KQUANTS else functools.partial(
+            lorax.quantize, double_quant=qtype == "nf4")
+        params = jax.eval_shape(lambda p: quantize(p, spec, qtype, dtype=dtype), params)
     if method != "full":
         params = jax.eval_shape(
             lambda p: lorax.init_lora(p, spec, jax.random.PRNGKey(0), dtype=jnp.float32), params)
     return params, spec
+
+
+def _kquantize(params: dict, spec: dict, qtype: str, dtype: Any) -> dict:
+    """GGUF K-quant blocks of every frozen matrix, as a GGUF file stores them: a kernel's
+    blocks along its input axis (`(layers, in, out)`), the embedding's along `dim`."""
+    def one(w: Any, axis: int) -> Any:
+        rows = w.shape[:-2] + (w.shape[-1],) if axis == -2 else w.shape[:-1]
+        blocks = w.shape[axis] // 256
+        half = jnp.zeros((*rows, blocks), jnp.float16)
+        fmt = get_format(qtype)
+        codes = jnp.zeros((*rows, blocks, fmt.code_bytes(256)), jnp.uint8)
+        mins = half if fmt.has_mins else None
+        return lorax.QuantizedArray(codes, half, mins, qtype=qtype, block_size=256, axis=axis,
+                                    dense_dtype=dtype)
+    layers = {k: one(v, -2) if v.ndim == 3 else v for k, v in params["layers"].items()}
+    return dict(params, embed=one(params["embed"], -1), layers=layers)
 
 
 # -- FSDP layouts ----------------------------------------------------------------------------

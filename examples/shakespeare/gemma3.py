@@ -9,9 +9,10 @@ a GELU (tanh) gated feed-forward; the output tied to the embedding. The norm wei
 are used as the GGUF stores them: llama.cpp's converter already added Gemma's `1 +`.
 
 `params["layers"]` is a list of per-layer dicts run by a Python loop (each layer
-rematerialised in the backward pass, as under `llama.py`'s scan): in a Q4_K_M file the
+rematerialised in the backward pass as `cfg.remat` says, as under `llama.py`'s scan): in a Q4_K_M file the
 layers of one projection have different block types, which one stack cannot hold.
-The loss and sampling are `llama.py`'s (the chunked tied output layer).
+Attention (sliding windows included), the remat choice, the loss and sampling are
+`llama.py`'s.
 """
 
 from __future__ import annotations
@@ -39,21 +40,8 @@ class Config(NamedTuple):
     sliding: tuple  # per layer: True for a sliding-window layer
     norm_eps: float
     vocab: int
-
-
-def attention(q, k, v, window: int | None):
-    """Causal grouped-query attention, optionally within `window` positions (a query at
-    `i` sees keys `j` with `i - window < j <= i`, as llama.cpp's standard SWA mask).
-    q: (B, T, H, d), already scaled; k, v: (B, T, KV, d)."""
-    b, t, h, d = q.shape
-    kv = k.shape[2]
-    q = q.reshape(b, t, kv, h // kv, d)
-    scores = jnp.einsum("btkgd,bskd->bkgts", q, k)
-    i, j = jnp.arange(t)[:, None], jnp.arange(t)[None, :]
-    mask = (j <= i) & ((i - j < window) if window else True)
-    scores = jnp.where(mask, scores, jnp.finfo(scores.dtype).min)
-    probs = jax.nn.softmax(scores, axis=-1)
-    return jnp.einsum("bkgts,bskd->btkgd", probs, v).reshape(b, t, h * d)
+    attention: str = "auto"  # as llama.Config's
+    remat: str = "layer"
 
 
 def block(cfg: Config, sliding: bool, x, layer):
@@ -65,7 +53,8 @@ def block(cfg: Config, sliding: bool, x, layer):
     k = rms_norm((h @ layer["k"]).reshape(b, t, cfg.n_kv_heads, hd), layer["k_norm"], eps)
     v = (h @ layer["v"]).reshape(b, t, cfg.n_kv_heads, hd)
     q = rope(q, theta) * hd ** -0.5
-    att = attention(q, rope(k, theta), v, cfg.window if sliding else None) @ layer["o"]
+    att = llama.attention(q, rope(k, theta), v, window=cfg.window if sliding else None,
+                          scale=1.0, implementation=cfg.attention) @ layer["o"]
     x = x + rms_norm(att, layer["post_attn_norm"], eps)
     h = rms_norm(x, layer["mlp_norm"], eps)
     f = (jax.nn.gelu(h @ layer["gate"], approximate=True) * (h @ layer["up"])) @ layer["down"]
@@ -76,8 +65,7 @@ def hidden_states(cfg: Config, params, tokens):
     """Final-norm hidden states, (B, T, dim)."""
     x = params["embed"][tokens] * jnp.sqrt(jnp.float32(cfg.dim))
     for sliding, layer in zip(cfg.sliding, params["layers"]):
-        # Per-layer remat: the backward pass keeps each layer's input and recomputes the rest.
-        x = jax.checkpoint(functools.partial(block, cfg, sliding))(x, layer)
+        x = llama.remat(cfg, functools.partial(block, cfg, sliding))(x, layer)
     return rms_norm(x, params["final_norm"], cfg.norm_eps)
 
 

@@ -6,6 +6,11 @@ under `lax.scan`, so one layer is traced and compiled once. Two memory savers an
 training script uses: each layer is rematerialised in the backward pass (only its
 input is kept), and the loss goes over the vocabulary in chunks, so the full
 `(batch, seq, vocab)` logits never exist at once.
+
+Two fields of `Config` choose how the step runs on a given device, never its values:
+`attention` (cuDNN's fused attention on a GPU, query chunks elsewhere) and `remat` (what
+the backward pass keeps: with memory to spare, `"none"` or `"dots"` is faster on a GPU).
+`gemma3.py` uses the same two.
 """
 
 from __future__ import annotations
@@ -27,6 +32,9 @@ class Config(NamedTuple):
     rope_theta: float
     norm_eps: float
     vocab: int
+    # How the step runs, not what it computes (see `attention` and `hidden_states`).
+    attention: str = "auto"
+    remat: str = "layer"
 
 
 def rms_norm(x, w, eps):
@@ -47,10 +55,44 @@ def rope(x, theta):
 # each chunk's scores recomputed in the backward pass, so no (T, T) score matrix per head
 # is ever whole: at 2048 tokens the largest attention buffer is a quarter of one.
 QUERY_CHUNK = 512
+ATTENTION = ("auto", "cudnn", "xla", "chunked")
 
 
-def attention(q, k, v):
-    """Causal grouped-query attention. q: (B, T, H, d); k, v: (B, T, KV, d).
+def attention(q, k, v, *, window: int | None = None, scale: float | None = None,
+              implementation: str = "auto"):
+    """Causal grouped-query attention. q: (B, T, H, d); k, v: (B, T, KV, d); `(B, T, H * d)`
+    out. `window`: a query at `i` sees keys `j` with `i - window < j <= i` (None: all of
+    `j <= i`); `scale`: the scores' factor (None: `d ** -0.5`).
+
+    `implementation` picks how, never what: `"cudnn"` is cuDNN's fused flash attention
+    through `jax.nn.dot_product_attention` (GPU, bf16/f16, head dim a multiple of 8 up to
+    128), `"xla"` the same function's XLA path (the whole `(T, T)` scores per head),
+    `"chunked"` this module's query chunks (below), `"auto"` cuDNN where it applies and
+    the chunks elsewhere.
+    """
+    b, t, h, d = q.shape
+    implementation = _attention_implementation(implementation, q)
+    if implementation in ("cudnn", "xla"):
+        out = jax.nn.dot_product_attention(
+            q, k, v, scale=scale, is_causal=True, implementation=implementation,
+            local_window_size=None if window is None else (window - 1, 0))
+        return out.reshape(b, t, h * d)
+    return chunked_attention(q, k, v, window=window, scale=scale)
+
+
+def _attention_implementation(name: str, q) -> str:
+    if name not in ATTENTION:
+        raise ValueError(f"attention implementation {name!r}: expected one of {ATTENTION}")
+    if name != "auto":
+        return name
+    d = q.shape[-1]
+    fused = (jax.default_backend() == "gpu" and d % 8 == 0 and d <= 128
+             and q.dtype in (jnp.bfloat16, jnp.float16))
+    return "cudnn" if fused else "chunked"
+
+
+def chunked_attention(q, k, v, *, window: int | None = None, scale: float | None = None):
+    """`attention` in query chunks of `QUERY_CHUNK`, for any backend and dtype.
 
     Each query row's softmax runs over all its keys whether or not the queries are
     chunked, so chunking changes which buffers exist, not the result. A chunk takes
@@ -59,23 +101,29 @@ def attention(q, k, v):
     in every chunk, and the causal work is the same in each.
     """
     b, t, h, d = q.shape
+    attend = functools.partial(_attend, k=k, v=v, window=window, scale=scale)
     if t <= QUERY_CHUNK or t % QUERY_CHUNK:
-        return _attend(q, k, v, jnp.arange(t)).reshape(b, t, h * d)
+        return attend(q, jnp.arange(t)).reshape(b, t, h * d)
     n, size = t // QUERY_CHUNK, QUERY_CHUNK
     chunks = jnp.moveaxis(q.reshape(b, size, n, h, d), 2, 0)  # chunk i: queries i, i + n, ...
-    attend = jax.checkpoint(lambda c: _attend(c[0], k, v, jnp.arange(size) * n + c[1]))
-    out = lax.map(attend, (chunks, jnp.arange(n)))  # (n, B, size, KV, G, d)
+    one = jax.checkpoint(lambda c: attend(c[0], jnp.arange(size) * n + c[1]))
+    out = lax.map(one, (chunks, jnp.arange(n)))  # (n, B, size, KV, G, d)
     return jnp.moveaxis(out, 0, 2).reshape(b, t, h * d)
 
 
-def _attend(q, k, v, positions):
+def _attend(q, positions, *, k, v, window, scale):
     """Queries at `positions` against every key, causally; `(B, Tq, KV, G, d)` out."""
     b, tq, h, d = q.shape
     kv = k.shape[2]
     q = q.reshape(b, tq, kv, h // kv, d)
-    scores = jnp.einsum("btkgd,bskd->bkgts", q, k) / jnp.sqrt(d).astype(q.dtype)
-    causal = positions[:, None] >= jnp.arange(k.shape[1])[None, :]
-    scores = jnp.where(causal, scores, jnp.finfo(scores.dtype).min)
+    scores = jnp.einsum("btkgd,bskd->bkgts", q, k)
+    scores = (scores / jnp.sqrt(d).astype(q.dtype) if scale is None
+              else scores * jnp.asarray(scale, scores.dtype))
+    keys = jnp.arange(k.shape[1])[None, :]
+    mask = positions[:, None] >= keys
+    if window is not None:
+        mask = mask & (positions[:, None] - keys < window)
+    scores = jnp.where(mask, scores, jnp.finfo(scores.dtype).min)
     probs = jax.nn.softmax(scores, axis=-1)
     return jnp.einsum("bkgts,bskd->btkgd", probs, v)
 
@@ -87,16 +135,32 @@ def block(cfg: Config, x, layer):
     q = rope((h @ layer["q"]).reshape(b, t, cfg.n_heads, head_dim), cfg.rope_theta)
     k = rope((h @ layer["k"]).reshape(b, t, cfg.n_kv_heads, head_dim), cfg.rope_theta)
     v = (h @ layer["v"]).reshape(b, t, cfg.n_kv_heads, head_dim)
-    x = x + attention(q, k, v) @ layer["o"]
+    x = x + attention(q, k, v, implementation=cfg.attention) @ layer["o"]
     h = rms_norm(x, layer["mlp_norm"], cfg.norm_eps)
     return x + (jax.nn.silu(h @ layer["gate"]) * (h @ layer["up"])) @ layer["down"]
+
+
+REMAT = ("layer", "dots", "none")
+
+
+def remat(cfg, layer_fn):
+    """`layer_fn` under `cfg.remat`, the memory/compute trade of the backward pass:
+    `"layer"` keeps each layer's input and recomputes the rest (the least memory),
+    `"dots"` also keeps the matrix products' outputs (recomputes only the cheap
+    elementwise work), `"none"` keeps everything (no recomputation, the most memory)."""
+    if cfg.remat not in REMAT:
+        raise ValueError(f"remat {cfg.remat!r}: expected one of {REMAT}")
+    if cfg.remat == "none":
+        return layer_fn
+    policy = (jax.checkpoint_policies.dots_with_no_batch_dims_saveable if cfg.remat == "dots"
+              else None)
+    return jax.checkpoint(layer_fn, policy=policy)
 
 
 def hidden_states(cfg: Config, params, tokens):
     """Final-norm hidden states, (B, T, dim)."""
     x = params["embed"][tokens]
-    # Per-layer remat: the backward pass keeps each layer's input and recomputes the rest.
-    step = jax.checkpoint(lambda x, layer: (block(cfg, x, layer), None))
+    step = remat(cfg, lambda x, layer: (block(cfg, x, layer), None))
     x, _ = lax.scan(step, x, params["layers"])
     return rms_norm(x, params["final_norm"], cfg.norm_eps)
 

@@ -1,0 +1,272 @@
+"""One cell of `benchmarks.accelerator`, in a process of its own: a real training step on the
+default device, its parameters random values made on that device.
+
+    python -m benchmarks._device_step MODEL:METHOD:BATCH:REMAT:ATTENTION [--steps N] [--trace DIR]
+    python -m benchmarks._device_step --ceiling     # the device's bf16 matrix rate
+
+Prints one line, `RESULT {json}`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import os
+import re
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+
+import lorax
+
+from . import scale as S
+from .accelerator import GiB, Cell
+
+DTYPE = jnp.bfloat16
+
+
+# -- parameters on the device ------------------------------------------------------------------
+
+
+def _fill(sds: Any, key: Any, scale: bool) -> Any:
+    dt = jnp.dtype(sds.dtype)
+    if jnp.issubdtype(dt, jnp.integer):  # codes: random bits
+        bits = jax.random.bits(key, sds.shape, jnp.dtype(f"uint{dt.itemsize * 8}"))
+        return jax.lax.bitcast_convert_type(bits, dt)
+    if scale:  # a quantized weight's scales: small and positive
+        return (1e-3 * (1 + jax.random.uniform(key, sds.shape))).astype(dt)
+    return (0.02 * jax.random.normal(key, sds.shape)).astype(dt)
+
+
+def materialise(abstract: Any, seed: int = 0) -> Any:
+    """Random arrays of an abstract tree, made on the device by one jitted function
+    (`QuantizedArray` leaves as codes and scales, so no dense weight is made for them)."""
+    is_q = lambda x: isinstance(x, lorax.QuantizedArray)  # noqa: E731
+
+    def make() -> Any:
+        key, out = jax.random.PRNGKey(seed), []
+        for i, node in enumerate(jax.tree.leaves(abstract, is_leaf=is_q)):
+            k = jax.random.fold_in(key, i)
+            if is_q(node):
+                leaves, treedef = jax.tree.flatten(node)
+                out.append(jax.tree.unflatten(treedef, [
+                    _fill(s, jax.random.fold_in(k, j), True) for j, s in enumerate(leaves)]))
+            else:
+                out.append(_fill(node, k, False))
+        return jax.tree.unflatten(jax.tree.structure(abstract, is_leaf=is_q), out)
+
+    return jax.jit(make)()
+
+
+# -- the methods -------------------------------------------------------------------------------
+
+
+def hand_block(cfg: Any, x: Any, layer: dict) -> Any:
+    """`llama.block` with LoRA written into it by hand (factors cast to the activations'
+    dtype, as lorax's rule casts them to the weight's)."""
+    L = S.LLAMA
+    b, t, _ = x.shape
+    hd = cfg.dim // cfg.n_heads
+
+    def lin(h: Any, name: str) -> Any:
+        a, bb = layer[name + "_a"].astype(h.dtype), layer[name + "_b"].astype(h.dtype)
+        return h @ layer[name] + (h @ a) @ bb
+
+    h = L.rms_norm(x, layer["attn_norm"], cfg.norm_eps)
+    q = L.rope(lin(h, "q").reshape(b, t, cfg.n_heads, hd), cfg.rope_theta)
+    k = L.rope(lin(h, "k").reshape(b, t, cfg.n_kv_heads, hd), cfg.rope_theta)
+    v = lin(h, "v").reshape(b, t, cfg.n_kv_heads, hd)
+    x = x + lin(L.attention(q, k, v, implementation=cfg.attention), "o")
+    h = L.rms_norm(x, layer["mlp_norm"], cfg.norm_eps)
+    return x + lin(jax.nn.silu(lin(h, "gate")) * lin(h, "up"), "down")
+
+
+def setup(cfg: Any, method: str) -> tuple[Any, Any, Callable]:
+    """(trainable, frozen, loss(trainable, frozen, windows)), the arrays on the device."""
+    if method == "hand":
+        dense = materialise(S.abstract_params(cfg, DTYPE))
+        key, factors = jax.random.PRNGKey(1), {}
+        for i, name in enumerate(S.TARGETS):
+            n, d_in, d_out = dense["layers"][name].shape
+            factors[name + "_a"] = 0.01 * jax.random.normal(
+                jax.random.fold_in(key, i), (n, d_in, S.RANK))
+            factors[name + "_b"] = jnp.zeros((n, S.RANK, d_out), jnp.float32)
+        S.LLAMA.block = hand_block  # this process runs this one cell
+
+        def hand_loss(t: Any, f: Any, w: Any) -> Any:
+            return S.LLAMA.loss(cfg, dict(f, layers=dict(f["layers"], **t["layers"])), w)
+        return {"layers": factors}, dense, hand_loss
+    abstract, spec = S.build(cfg, method, DTYPE)
+    trainable, frozen = lorax.partition(materialise(abstract), spec)
+    apply = lorax.lora(lambda p, w: S.LLAMA.loss(cfg, p, w), on_materialize="allow")
+    return trainable, frozen, lambda t, f, w: apply(lorax.combine(t, f), w)
+
+
+# -- the step ----------------------------------------------------------------------------------
+
+
+def compiled_step(cell: Cell) -> tuple[Any, tuple, dict]:
+    """The jitted Adam step of `cell`, compiled, its arguments, and the setup facts."""
+    cfg, seq = S.config(cell.model, cell.attention, cell.remat), S.MODELS[cell.model][-1]
+    t0 = time.perf_counter()
+    trainable, frozen, loss = setup(cfg, cell.method)
+    optimizer = optax.adam(1e-4)
+    state = optimizer.init(trainable)
+    windows = jax.random.randint(jax.random.PRNGKey(2), (cell.batch, seq + 1), 0, cfg.vocab)
+    jax.block_until_ready((trainable, frozen, state, windows))
+    facts = dict(setup_s=time.perf_counter() - t0, resident_gib=_in_use() / GiB,
+                 frozen_gib=_nbytes(frozen) / GiB, trainable_gib=_nbytes(trainable) / GiB)
+
+    def step(trainable: Any, frozen: Any, opt_state: Any, windows: Any) -> tuple:
+        value, grads = jax.value_and_grad(lambda t: loss(t, frozen, windows))(trainable)
+        updates, opt_state = optimizer.update(grads, opt_state, trainable)
+        return optax.apply_updates(trainable, updates), opt_state, value
+
+    t0 = time.perf_counter()
+    args = (trainable, frozen, state, windows)
+    compiled = jax.jit(step, donate_argnums=(0, 2)).lower(*args).compile()
+    facts["compile_s"] = time.perf_counter() - t0
+    m = compiled.memory_analysis()
+    facts.update(xla_args_gib=m.argument_size_in_bytes / GiB, xla_temps_gib=m.temp_size_in_bytes / GiB,
+                 xla_peak_gib=(m.argument_size_in_bytes + m.temp_size_in_bytes
+                               + m.output_size_in_bytes - m.alias_size_in_bytes) / GiB)
+    return compiled, args, facts
+
+
+def _nbytes(tree: Any) -> int:
+    return sum(x.nbytes for x in jax.tree.leaves(tree))
+
+
+def _in_use(key: str = "bytes_in_use") -> int:
+    return (jax.devices()[0].memory_stats() or {}).get(key, 0)
+
+
+def run(cell: Cell, steps: int, trace: Path | None) -> dict[str, Any]:
+    compiled, (trainable, frozen, state, windows), row = compiled_step(cell)
+    times, losses = [], []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        trainable, state, value = compiled(trainable, frozen, state, windows)
+        losses.append(float(jax.block_until_ready(value)))  # the step's end
+        times.append(time.perf_counter() - t0)
+    timed = times[min(2, steps - 1):]  # the first two: warm-up
+    seq = S.MODELS[cell.model][-1]
+    cfg = S.config(cell.model, cell.attention, cell.remat)
+    q = jnp.zeros((1, 1, cfg.n_heads, cfg.dim // cfg.n_heads), DTYPE)
+    row.update(cell=str(cell), **cell._asdict(), device=jax.devices()[0].device_kind,
+               attention_used=S.LLAMA._attention_implementation(cell.attention, q),
+               platform=jax.default_backend(), jax=jax.__version__, seq=seq,
+               xla_flags=os.environ.get("XLA_FLAGS", ""),
+               step_s=statistics.median(timed), step_s_all=[round(t, 4) for t in times],
+               tokens_per_s=cell.batch * seq / statistics.median(timed),
+               peak_gib=_in_use("peak_bytes_in_use") / GiB, losses=[round(v, 4) for v in losses],
+               finite=all(v == v and abs(v) != float("inf") for v in losses))
+    if trace is not None:
+        row["trace"] = profile(lambda: compiled(trainable, frozen, state, windows),
+                               trace / str(cell).replace(":", "_"))
+    return row
+
+
+# -- where the time goes -----------------------------------------------------------------------
+
+KINDS = (("attention", r"sdpa|fmha|flash|attn|cudnn"),
+         ("matmul", r"gemm|xmma|nvjet|cutlass|cublas|matmul|\bdot"),
+         ("copy", r"memcpy|memset|copy|dynamic.update.slice"))
+
+
+def kind_of(kernel: str) -> str:
+    for kind, pattern in KINDS:
+        if re.search(pattern, kernel, re.IGNORECASE):
+            return kind
+    return "other"
+
+
+def profile(fn: Callable, where: Path) -> dict[str, Any]:
+    """One call of `fn` under JAX's profiler; the device kernels' time, by kind and the
+    longest kernels (a failed profile is reported, not raised: the timings stand)."""
+    try:
+        with jax.profiler.trace(str(where), create_perfetto_trace=True):
+            jax.block_until_ready(fn())
+        path = max(where.rglob("perfetto_trace.json.gz"), key=lambda p: p.stat().st_mtime)
+        with gzip.open(path, "rt") as f:
+            return summarise(json.load(f))
+    except Exception as e:  # noqa: BLE001
+        return {"error": f"{type(e).__name__}: {e}"[:500]}
+
+
+def summarise(trace: dict, top: int = 12) -> dict[str, Any]:
+    """Kernel time (ms) by kind and the `top` longest kernels, from a Perfetto trace:
+    the GPU streams' events where there are any (else every complete event)."""
+    events = trace.get("traceEvents", trace if isinstance(trace, list) else [])
+    names = {(e.get("pid"), e.get("tid")): e.get("args", {}).get("name", "")
+             for e in events if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    procs = {e.get("pid"): e.get("args", {}).get("name", "")
+             for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
+    gpu = {p for p, n in procs.items() if "GPU" in n or "gpu" in n}
+    spans = [e for e in events if e.get("ph") == "X" and (not gpu or e.get("pid") in gpu)]
+    streams = [e for e in spans if names.get((e.get("pid"), e.get("tid")), "").startswith("Stream")]
+    spans = streams or spans
+    by_kernel: dict[str, float] = {}
+    for e in spans:
+        by_kernel[e.get("name", "?")] = by_kernel.get(e.get("name", "?"), 0.0) + e.get("dur", 0) / 1e3
+    by_kind: dict[str, float] = {}
+    for name, ms in by_kernel.items():
+        by_kind[kind_of(name)] = by_kind.get(kind_of(name), 0.0) + ms
+    longest = sorted(by_kernel.items(), key=lambda kv: -kv[1])[:top]
+    threads: dict[str, float] = {}  # what the trace holds, to check the choice above
+    for e in (e for e in events if e.get("ph") == "X"):
+        where = f"{procs.get(e.get('pid'), '?')} / {names.get((e.get('pid'), e.get('tid')), '?')}"
+        threads[where] = threads.get(where, 0.0) + e.get("dur", 0) / 1e3
+    return {"device_events": "gpu streams" if streams else ("gpu" if gpu else "all"),
+            "threads_ms": sorted(([k[:80], round(v, 1)] for k, v in threads.items()),
+                                 key=lambda kv: -kv[1])[:10],
+            "busy_ms": round(sum(by_kernel.values()), 2),
+            "by_kind_ms": {k: round(v, 2) for k, v in sorted(by_kind.items())},
+            "longest_ms": [[n[:120], round(ms, 2)] for n, ms in longest]}
+
+
+# -- the device's matrix rate ------------------------------------------------------------------
+
+
+def ceiling(n: int = 8192, reps: int = 20) -> dict[str, Any]:
+    """bf16 `n x n x n` matrix products on random data: TFLOP/s (the median of `reps`
+    timed calls, each the mean of 10 products chained in one program)."""
+    a, b = (jax.random.normal(jax.random.PRNGKey(i), (n, n), DTYPE) for i in (0, 1))
+    if jax.default_backend() == "cpu":
+        n, a, b = 512, a[:512, :512], b[:512, :512]
+
+    @jax.jit
+    def ten(a: Any, b: Any) -> Any:
+        return jax.lax.fori_loop(0, 10, lambda i, x: (x @ b) * 1e-3, a)  # bounded values
+
+    jax.block_until_ready(ten(a, b))
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(ten(a, b))
+        times.append((time.perf_counter() - t0) / 10)
+    return {"ceiling_tflops": 2 * n**3 / statistics.median(times) / 1e12, "n": n,
+            "device": jax.devices()[0].device_kind, "platform": jax.default_backend(),
+            "jax": jax.__version__}
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("cell", nargs="?")
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--trace", type=Path, default=None)
+    p.add_argument("--ceiling", action="store_true")
+    args = p.parse_args(argv)
+    row = ceiling() if args.ceiling else run(Cell.parse(args.cell), args.steps, args.trace)
+    print("RESULT " + json.dumps(row), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

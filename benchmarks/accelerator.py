@@ -1,0 +1,299 @@
+"""Real training steps on whatever device is present: lorax against hand-written LoRA, full
+fine-tuning and PyTorch + PEFT, at Llama-3 shapes.
+
+The model is `benchmarks.scale`'s (the main job's plain-JAX Llama, `examples/shakespeare/
+llama.py`, at Llama 3.2-1B / 3-8B / 3-70B shapes, tied 128,256-token vocabulary; rank 16
+on q, k, v, o, gate, up, down; bf16 base and activations, float32 factors and Adam
+moments), its parameters random values generated on the device (a quantized base as
+random codes and small positive scales: nothing dense is made first). A cell is
+
+    MODEL:METHOD:BATCH:REMAT:ATTENTION     e.g. llama-3-8b:lora:1:none:auto
+
+- METHOD: `lora` (dense frozen base), `qlora-nf4` (double-quantized), `qlora-int8`,
+  `qlora-q4_k` (GGUF's blocks), `hand` (LoRA written by hand into the same model code),
+  `full` (every weight trained, bf16 Adam moments);
+- BATCH: windows of the model's 2048 tokens per step;
+- REMAT: `llama.Config.remat` (`layer`, `dots`, `none`);
+- ATTENTION: `llama.Config.attention` (`auto`: cuDNN's fused attention on a GPU).
+
+`peft:MODEL:BATCH:COMPILE:CHECKPOINTING` (e.g. `peft:llama-3-8b:1:compiled:off`) is the same
+step in PyTorch + PEFT (`benchmarks/_peft.py`; needs torch, transformers and peft).
+
+Each cell runs in a process of its own, so the device's peak bytes in use
+(`memory_stats()["peak_bytes_in_use"]`, `torch.cuda.max_memory_allocated`) is that cell's
+(`XLA_PYTHON_CLIENT_PREALLOCATE=false` unless set). Reported per cell: median step time
+over the timed steps (after warm-up steps), tokens/s, MFU (model FLOPs per token below,
+over the bf16 matrix rate measured on the same device in the same run, and over the
+datasheet's where the device is known), peak device memory, XLA's `memory_analysis()`,
+compile time, the losses.
+
+Model FLOPs per token, PaLM's accounting for a model whose weights are frozen: with N the
+parameters of the matrix products (the seven projections of every layer and the tied
+output layer; the embedding lookup is free), `4N + 12 L d T` (forward `2N + 4 L d T`,
+activation gradients `2N + 8 L d T`, attention counted over the whole `T x T` square), and
+`6N + 12 L d T` for full fine-tuning (the weight gradients too). Recomputation is not
+counted. `--trace CELLS` adds a profile of one step of those lorax cells and a summary
+of where the device's time went (kernels grouped: matrix products, attention, copies,
+the rest) in `accelerator_traces.json`.
+
+    python -m benchmarks.accelerator [--quick] [--cells C1,C2,...] [--steps N]
+                                     [--deadline SECONDS] [--trace CELLS|all] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, NamedTuple
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    __package__ = "benchmarks"
+
+from . import _common as C  # noqa: E402
+
+GiB = 2**30
+ROOT = Path(__file__).resolve().parent.parent
+# Dense bf16 matrix rate by the vendor's datasheet (SXM parts), TFLOP/s.
+DATASHEET_TFLOPS = {"H100": 989.4, "H200": 989.4, "A100": 312.0, "L4": 121.0}
+METHODS = ("lora", "qlora-nf4", "qlora-int8", "qlora-q4_k", "hand", "full")
+DEFAULT_CELLS = (
+    "llama-3-8b:lora:1:layer:chunked", "llama-3-8b:lora:1:layer:auto",
+    "llama-3-8b:lora:1:dots:auto", "llama-3-8b:lora:1:none:auto",
+    "llama-3-8b:hand:1:none:auto", "llama-3-8b:hand:1:layer:auto",
+    "llama-3-8b:qlora-nf4:1:layer:auto", "llama-3-8b:qlora-nf4:1:none:auto",
+    "llama-3-8b:qlora-int8:1:layer:auto", "llama-3-8b:qlora-q4_k:1:layer:auto",
+    "llama-3-8b:full:1:layer:auto",
+    "llama-3-8b:lora:4:none:auto", "llama-3-8b:lora:4:dots:auto",
+    "llama-3-70b:qlora-nf4:1:layer:auto",
+    "llama-3.2-1b:lora:1:none:auto", "llama-3.2-1b:qlora-nf4:1:layer:auto",
+    "peft:llama-3-8b:1:eager:on", "peft:llama-3-8b:1:eager:off",
+    "peft:llama-3-8b:1:compiled:on", "peft:llama-3-8b:1:compiled:off",
+    "peft:llama-3-8b:4:eager:off",
+)
+QUICK_CELLS = ("tiny:lora:1:layer:auto", "tiny:qlora-nf4:1:none:auto", "tiny:hand:1:dots:auto",
+               "tiny:full:1:layer:xla", "peft:tiny:1:eager:off")
+
+
+class Cell(NamedTuple):
+    model: str
+    method: str
+    batch: int
+    remat: str
+    attention: str
+
+    @classmethod
+    def parse(cls, text: str) -> "Cell":
+        parts = text.split(":")
+        if len(parts) != 5 or parts[1] not in METHODS:
+            raise ValueError(f"cell {text!r}: expected MODEL:METHOD:BATCH:REMAT:ATTENTION with "
+                             f"METHOD one of {METHODS}")
+        return cls(parts[0], parts[1], int(parts[2]), parts[3], parts[4])
+
+    def __str__(self) -> str:
+        return ":".join(str(v) for v in self)
+
+
+# -- model FLOPs -------------------------------------------------------------------------------
+
+
+def matmul_params(model: str) -> int:
+    """N: the parameters of the matrix products (seven projections a layer, the tied
+    output layer)."""
+    from . import scale as S
+    n, d, f, h, kv, _ = S.MODELS[model]
+    hd = d // h
+    per_layer = d * h * hd + 2 * d * kv * hd + h * hd * d + 3 * d * f
+    vocab = 4096 if model == "tiny" else S.VOCAB
+    return n * per_layer + vocab * d
+
+
+def flops_per_token(model: str, method: str, seq: int) -> float:
+    """Model FLOPs per token (the module docstring's accounting)."""
+    from . import scale as S
+    n_layers, d = S.MODELS[model][:2]
+    n = matmul_params(model)
+    return (6 if method == "full" else 4) * n + 12 * n_layers * d * seq
+
+
+# -- the runner: one cell per process ----------------------------------------------------------
+
+
+def _child_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    return env
+
+
+def run_in_process(args: list[str], timeout: float) -> dict[str, Any]:
+    """Run `python -m benchmarks.<args>` and return its `RESULT {json}` line, or an
+    error row with the output's last lines."""
+    t0 = time.perf_counter()
+    try:
+        p = subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True,
+                           timeout=timeout, env=_child_env(), cwd=ROOT)
+        out, err, code = p.stdout, p.stderr, p.returncode
+    except subprocess.TimeoutExpired as e:
+        out, err, code = _text(e.stdout), _text(e.stderr), f"timed out after {timeout:.0f} s"
+    for line in out.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT "):])
+    tail = " | ".join((err or out).strip().splitlines()[-6:])
+    return {"error": f"exit {code}: {tail}"[-1500:], "wall_s": time.perf_counter() - t0}
+
+
+def _text(b: Any) -> str:
+    return b.decode(errors="replace") if isinstance(b, bytes) else (b or "")
+
+
+def cell_args(text: str, steps: int, trace_dir: Path | None) -> list[str]:
+    if text.startswith("peft:"):
+        _, model, batch, mode, ckpt = text.split(":")
+        return ["benchmarks._peft", model, "--batch", batch, "--steps", str(steps)] + (
+            ["--compile"] if mode == "compiled" else []) + (
+            ["--no-checkpointing"] if ckpt == "off" else [])
+    Cell.parse(text)  # a bad cell fails here, before any process starts
+    return ["benchmarks._device_step", text, "--steps", str(steps)] + (
+        ["--trace", str(trace_dir)] if trace_dir else [])
+
+
+def ceiling_tflops(timeout: float = 120) -> dict[str, Any]:
+    """The device's bf16 matrix rate, measured (`benchmarks._device_step --ceiling`)."""
+    return run_in_process(["benchmarks._device_step", "--ceiling"], timeout)
+
+
+def fused_attention_works(steps: int) -> bool:
+    """A tiny lorax step through cuDNN's attention: does it compile and run here? (If
+    not, every `auto` cell would fail the same way.)"""
+    row = run_in_process(cell_args("tiny:lora:1:none:cudnn", steps, None), 180)
+    if "error" in row:
+        print(f"[accelerator] cuDNN attention probe: {row['error']}", flush=True)
+    return "error" not in row
+
+
+def timeout_for(text: str) -> float:
+    if text.startswith("peft:") and ":compiled:" in text:
+        return 420  # torch.compile's first step: ~2 minutes at 8B
+    return 420 if "70b" in text else 240
+
+
+def with_rates(row: dict[str, Any], ceiling: dict[str, Any]) -> dict[str, Any]:
+    """MFU over the measured matrix rate and over the datasheet's (where known)."""
+    if "tokens_per_s" not in row:
+        return row
+    method = "full" if row.get("method") == "full" else "lora"
+    tflops = row["tokens_per_s"] * flops_per_token(row["model"], method, row["seq"]) / 1e12
+    row["model_tflops"] = tflops
+    if ceiling.get("ceiling_tflops"):
+        row["mfu"] = tflops / ceiling["ceiling_tflops"]
+    sheet = next((v for k, v in DATASHEET_TFLOPS.items() if k in str(row.get("device", ""))), None)
+    if sheet:
+        row["mfu_datasheet"] = tflops / sheet
+    return row
+
+
+def with_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`vs_peft`: tokens/s over the fastest PyTorch + PEFT cell of the same model and batch;
+    `vs_lora` (QLoRA, hand-written): step time over dense lorax LoRA's, same remat and
+    attention; `vs_hand` (lorax LoRA): over hand-written LoRA's."""
+    ok = [r for r in rows if "tokens_per_s" in r]
+    for r in ok:
+        key = (r["model"], r["batch"])
+        peft = [p["tokens_per_s"] for p in ok if p["method"].startswith("peft") and
+                (p["model"], p["batch"]) == key]
+        if peft and not r["method"].startswith("peft"):
+            r["vs_peft"] = r["tokens_per_s"] / max(peft)
+        same = lambda m: next((p["step_s"] for p in ok if p["method"] == m and (  # noqa: E731
+            p["model"], p["batch"], p["remat"], p["attention"]) == (*key, r["remat"], r["attention"])), None)
+        ref = same("lora") if r["method"].startswith("qlora") or r["method"] == "hand" else (
+            same("hand") if r["method"] == "lora" else None)
+        if ref:
+            r["vs_lora" if r["method"] != "lora" else "vs_hand"] = r["step_s"] / ref
+    return rows
+
+
+def markdown(rows: list[dict[str, Any]], ceiling: dict[str, Any]) -> list[str]:
+    f = lambda r, k, fmt: format(r[k], fmt) if isinstance(r.get(k), (int, float)) else ""  # noqa: E731
+    table = C.md_table(
+        ["model", "batch", "method", "remat", "attention", "s/step", "tokens/s", "MFU",
+         "vs fastest PEFT", "vs dense / hand", "peak GiB", "XLA GiB", "compile s"],
+        [[r["model"], f"{r['batch']}x{r.get('seq', '')}", r["method"], r.get("remat", ""),
+          _attention(r), f(r, "step_s", ".3f"), f(r, "tokens_per_s", ",.0f"),
+          f(r, "mfu", ".1%"), f(r, "vs_peft", ".2f"),
+          f(r, "vs_lora", ".3f") or f(r, "vs_hand", ".3f"), f(r, "peak_gib", ".2f"),
+          f(r, "xla_peak_gib", ".2f"), f(r, "compile_s", ".0f")]
+         if "error" not in r else [r.get("cell", "?"), "", "", "", "", "error: " + r["error"][:200],
+                                   *[""] * 7] for r in rows])
+    rate = ceiling.get("ceiling_tflops")
+    return [table, "", f"MFU: model FLOPs per token (see `benchmarks/accelerator.py`) x tokens/s "
+            f"over the bf16 matrix rate measured on the same device in the same run: "
+            + (f"{rate:.3g} TFLOP/s ({ceiling.get('device')})." if rate else "not measured.")]
+
+
+def _attention(r: dict[str, Any]) -> str:
+    used = r.get("attention_used", "")
+    return f"{r.get('attention', '')} ({used})" if used and used != r.get("attention") else str(
+        r.get("attention", ""))
+
+
+def write(out: Path, rows: list[dict[str, Any]], ceiling: dict[str, Any], clock: C.Clock) -> None:
+    rows = with_ratios([dict(r) for r in rows])
+    C.write_csv(out / "accelerator.csv", [{k: v for k, v in r.items() if k != "trace"} for r in rows])
+    traces = {r["cell"]: r["trace"] for r in rows if "trace" in r}
+    if traces:
+        (out / "accelerator_traces.json").write_text(json.dumps(traces, indent=1))
+    facts = {k: ceiling.get(k, "") for k in ("device", "platform", "jax")}
+    facts.update(torch=next((r["torch"] for r in rows if "torch" in r), ""),
+                 run=f"{clock.elapsed:.0f} s, cells in processes of their own")
+    lines = "\n".join(f"- **{k}**: {v}" for k, v in facts.items() if v)
+    (out / "accelerator.md").write_text("\n".join(
+        [*markdown(rows, ceiling), "", "<details markdown><summary>Device and run</summary>", "",
+         lines, "", "</details>"]) + "\n")
+
+
+def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
+    p = C.parser(__doc__, rounds=False)
+    p.add_argument("--cells", default=None, help="comma-separated cells (default: the table)")
+    p.add_argument("--steps", type=int, default=None, help="steps per cell (2 of them warm-up)")
+    p.add_argument("--deadline", type=float, default=None,
+                   help="seconds: start no cell that could run past this")
+    p.add_argument("--no-probe", action="store_true",
+                   help="skip the cuDNN attention probe (known to work on this device)")
+    p.add_argument("--trace", default="", help="cells (or 'all') to profile one step of")
+    p.add_argument("--trace-dir", type=Path, default=None, help="where profiles go (default: OUT/traces)")
+    args = p.parse_args(argv)
+    out, clock = C.out_dir(args.out), C.Clock("accelerator")
+    cells = args.cells.split(",") if args.cells else list(QUICK_CELLS if args.quick else DEFAULT_CELLS)
+    steps = args.steps or (3 if args.quick else 8)
+    trace_dir = args.trace_dir or out / "traces"
+    ceiling = ceiling_tflops()
+    traced = set(cells) if args.trace == "all" else set(filter(None, args.trace.split(",")))
+    clock.log(f"matrix rate: {ceiling}")
+    if ceiling.get("platform") == "gpu" and not args.no_probe and not fused_attention_works(steps):
+        cells = [c.replace(":auto", ":chunked") for c in cells]
+        traced = {c.replace(":auto", ":chunked") for c in traced}
+        clock.log("cuDNN attention failed on this GPU: the cells run the query chunks")
+    rows: list[dict[str, Any]] = []
+    for text in cells:
+        left = (args.deadline or float("inf")) - clock.elapsed
+        if left < 45:
+            rows.append({"cell": text, "error": "not run: past the deadline"})
+            continue
+        trace = trace_dir if text in traced and not text.startswith("peft:") else None
+        row = run_in_process(cell_args(text, steps, trace), min(timeout_for(text), left))
+        rows.append(with_rates({"cell": text, **row}, ceiling))
+        clock.log(f"{text}: " + (f"{row['step_s']:.4f} s/step, {row['tokens_per_s']:,.0f} tok/s, "
+                                 f"peak {row.get('peak_gib', 0):.2f} GiB" if "step_s" in row
+                                 else row.get("error", "")[-400:]))
+        write(out, rows, ceiling, clock)
+    write(out, rows, ceiling, clock)
+    return with_ratios(rows)
+
+
+if __name__ == "__main__":
+    main()
