@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -151,6 +152,12 @@ def _text(b: Any) -> str:
     return b.decode(errors="replace") if isinstance(b, bytes) else (b or "")
 
 
+def torch_missing() -> str:
+    """Which of the PyTorch side's packages do not import here ('' if none)."""
+    import importlib.util
+    return ", ".join(m for m in ("torch", "transformers", "peft") if importlib.util.find_spec(m) is None)
+
+
 def cell_args(text: str, steps: int, trace_dir: Path | None) -> list[str]:
     if text.startswith("peft:"):
         _, model, batch, mode, ckpt = text.split(":")
@@ -217,22 +224,27 @@ def with_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return rows
 
 
-def markdown(rows: list[dict[str, Any]], ceiling: dict[str, Any]) -> list[str]:
+def markdown(rows: list[dict[str, Any]]) -> list[str]:
     f = lambda r, k, fmt: format(r[k], fmt) if isinstance(r.get(k), (int, float)) else ""  # noqa: E731
     table = C.md_table(
         ["model", "batch", "method", "remat", "attention", "s/step", "tokens/s", "MFU",
          "vs fastest PEFT", "vs dense / hand", "peak GiB", "XLA GiB", "compile s"],
         [[r["model"], f"{r['batch']}x{r.get('seq', '')}", r["method"], r.get("remat", ""),
           _attention(r), f(r, "step_s", ".3f"), f(r, "tokens_per_s", ",.0f"),
-          f(r, "mfu", ".1%"), f(r, "vs_peft", ".2f"),
+          f(r, "mfu_datasheet", ".1%") or f(r, "mfu", ".1%"), f(r, "vs_peft", ".2f"),
           f(r, "vs_lora", ".3f") or f(r, "vs_hand", ".3f"), f(r, "peak_gib", ".2f"),
           f(r, "xla_peak_gib", ".2f"), f(r, "compile_s", ".0f")]
-         if "error" not in r else [r.get("cell", "?"), "", "", "", "", "error: " + r["error"][:200],
-                                   *[""] * 7] for r in rows])
-    rate = ceiling.get("ceiling_tflops")
-    return [table, "", f"MFU: model FLOPs per token (see `benchmarks/accelerator.py`) x tokens/s "
-            f"over the bf16 matrix rate measured on the same device in the same run: "
-            + (f"{rate:.3g} TFLOP/s ({ceiling.get('device')})." if rate else "not measured.")]
+         if not r.get("error") else [r.get("cell", "?"), "", "", "", "",
+                                     "error: " + str(r["error"])[:200], *[""] * 7] for r in rows])
+    rates = [r["model_tflops"] / r["mfu"] for r in rows if isinstance(r.get("mfu"), (int, float))]
+    sheet = any(isinstance(r.get("mfu_datasheet"), (int, float)) for r in rows)
+    return [table, "", "MFU: model FLOPs per token (`benchmarks/accelerator.py`) x tokens/s over "
+            + ("the datasheet's dense bf16 rate (989.4 TFLOP/s for an H100 or H200 SXM)" if sheet
+               else "the bf16 matrix rate measured on the same device in the same run")
+            + (f"; the rate measured in the same run ({statistics.median(rates):.0f} TFLOP/s, "
+               "8192-cube bf16 products) is in the CSV's `mfu` column." if rates else ".")
+            + " *vs dense / hand*: step time over dense lorax LoRA's (QLoRA, hand-written) or "
+            "over hand-written LoRA's (lorax LoRA), same batch, remat and attention."]
 
 
 def _attention(r: dict[str, Any]) -> str:
@@ -241,34 +253,59 @@ def _attention(r: dict[str, Any]) -> str:
         r.get("attention", ""))
 
 
-def write(out: Path, rows: list[dict[str, Any]], ceiling: dict[str, Any], clock: C.Clock) -> None:
+def write_tables(out: Path, run: str = "") -> None:
+    """`accelerator.md` and `.png` from `accelerator.csv` (what `--plot-only` redraws)."""
+    rows = C.read_csv(out / "accelerator.csv")
+    facts = {k: next((r[k] for r in rows if r.get(k) not in (None, "")), "")
+             for k in ("device", "platform", "jax", "torch", "peft", "transformers", "xla_flags")}
+    facts["run"] = run or "cells in processes of their own"
+    lines = "\n".join(f"- **{k}**: {v}" for k, v in facts.items() if v)
+    (out / "accelerator.md").write_text("\n".join(
+        [*markdown(rows), "", "<details markdown><summary>Device and run</summary>", "", lines,
+         "", "</details>"]) + "\n")
+    C.replot(out, "accelerator", plot)
+
+
+COLORS = {"lora": "C0", "hand": "0.55", "full": "C3", "peft": "C1", "qlora": "C2"}
+
+
+def plot(rows: list[dict[str, Any]], path: Path) -> None:
+    """Tokens/s of every measured cell of the most-measured model, one bar each, colored
+    by method family; the fastest PyTorch + PEFT cell of each batch drawn as a line."""
+    rows = [r for r in rows if isinstance(r.get("tokens_per_s"), (int, float))]
+    if not rows:
+        return
+    model = max({r["model"] for r in rows}, key=lambda m: sum(r["model"] == m for r in rows))
+    rows = sorted((r for r in rows if r["model"] == model), key=lambda r: (r["batch"], r["tokens_per_s"]))
+    fig, axes = C.small_multiples(1, 1, panel_height=0.32 * len(rows) + 0.8)
+    ax = axes[0][0]
+    label = lambda r: (f"{r['method']} {r['batch']}x{r['seq']}" + (  # noqa: E731
+        f", remat {r['remat']}, {r.get('attention_used') or r['attention']}"
+        if not str(r["method"]).startswith("peft") else ""))
+    family = lambda r: next(k for k in COLORS if str(r["method"]).startswith(k))  # noqa: E731
+    ax.barh(range(len(rows)), [r["tokens_per_s"] for r in rows],
+            color=[COLORS[family(r)] for r in rows])
+    ax.set_yticks(range(len(rows)), [label(r) for r in rows], fontsize=7)
+    for batch in sorted({r["batch"] for r in rows}):
+        peft = [r["tokens_per_s"] for r in rows if r["batch"] == batch and family(r) == "peft"]
+        if peft:
+            ax.axvline(max(peft), color="C1", ls=":", lw=1)
+    ax.set_xlabel(f"tokens/s, {model} ({rows[0].get('device', '')})")
+    C.save(fig, path)
+
+
+def write(out: Path, rows: list[dict[str, Any]], clock: C.Clock) -> None:
     rows = with_ratios([dict(r) for r in rows])
     C.write_csv(out / "accelerator.csv", [{k: v for k, v in r.items() if k != "trace"} for r in rows])
     traces = {r["cell"]: r["trace"] for r in rows if "trace" in r}
     if traces:
         (out / "accelerator_traces.json").write_text(json.dumps(traces, indent=1))
-    facts = {k: ceiling.get(k, "") for k in ("device", "platform", "jax")}
-    facts.update(torch=next((r["torch"] for r in rows if "torch" in r), ""),
-                 run=f"{clock.elapsed:.0f} s, cells in processes of their own")
-    lines = "\n".join(f"- **{k}**: {v}" for k, v in facts.items() if v)
-    (out / "accelerator.md").write_text("\n".join(
-        [*markdown(rows, ceiling), "", "<details markdown><summary>Device and run</summary>", "",
-         lines, "", "</details>"]) + "\n")
+    write_tables(out, f"{clock.elapsed:.0f} s, cells in processes of their own")
 
 
-def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
-    p = C.parser(__doc__, rounds=False)
-    p.add_argument("--cells", default=None, help="comma-separated cells (default: the table)")
-    p.add_argument("--steps", type=int, default=None, help="steps per cell (2 of them warm-up)")
-    p.add_argument("--deadline", type=float, default=None,
-                   help="seconds: start no cell that could run past this")
-    p.add_argument("--no-probe", action="store_true",
-                   help="skip the cuDNN attention probe (known to work on this device)")
-    p.add_argument("--trace", default="", help="cells (or 'all') to profile one step of")
-    p.add_argument("--trace-dir", type=Path, default=None, help="where profiles go (default: OUT/traces)")
-    args = p.parse_args(argv)
-    out, clock = C.out_dir(args.out), C.Clock("accelerator")
-    cells = args.cells.split(",") if args.cells else list(QUICK_CELLS if args.quick else DEFAULT_CELLS)
+def run_cells(cells: list[str], args: Any, out: Path, clock: C.Clock) -> list[dict[str, Any]]:
+    """Each cell in a process of its own, the results written after every cell (a run cut
+    short keeps what it measured)."""
     steps = args.steps or (3 if args.quick else 8)
     trace_dir = args.trace_dir or out / "traces"
     ceiling = ceiling_tflops()
@@ -281,8 +318,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     for text in cells:
         left = (args.deadline or float("inf")) - clock.elapsed
-        if left < 45:
-            rows.append({"cell": text, "error": "not run: past the deadline"})
+        if left < 45 or (text.startswith("peft:") and torch_missing()):
+            why = "past the deadline" if left < 45 else f"{torch_missing()} not installed"
+            rows.append({"cell": text, "error": f"not run: {why}"})
             continue
         trace = trace_dir if text in traced and not text.startswith("peft:") else None
         row = run_in_process(cell_args(text, steps, trace), min(timeout_for(text), left))
@@ -290,9 +328,29 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         clock.log(f"{text}: " + (f"{row['step_s']:.4f} s/step, {row['tokens_per_s']:,.0f} tok/s, "
                                  f"peak {row.get('peak_gib', 0):.2f} GiB" if "step_s" in row
                                  else row.get("error", "")[-400:]))
-        write(out, rows, ceiling, clock)
-    write(out, rows, ceiling, clock)
+        write(out, rows, clock)
     return with_ratios(rows)
+
+
+def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
+    p = C.parser(__doc__, rounds=False, plot=True)
+    p.add_argument("--cells", default=None, help="comma-separated cells (default: the table)")
+    p.add_argument("--steps", type=int, default=None, help="steps per cell (2 of them warm-up)")
+    p.add_argument("--deadline", type=float, default=None,
+                   help="seconds: start no cell that could run past this")
+    p.add_argument("--no-probe", action="store_true",
+                   help="skip the cuDNN attention probe (known to work on this device)")
+    p.add_argument("--trace", default="", help="cells (or 'all') to profile one step of")
+    p.add_argument("--trace-dir", type=Path, default=None, help="where profiles go (default: OUT/traces)")
+    args = p.parse_args(argv)
+    out, clock = C.out_dir(args.out), C.Clock("accelerator")
+    if args.plot_only:
+        write_tables(out)
+        return C.read_csv(out / "accelerator.csv")
+    cells = args.cells.split(",") if args.cells else list(QUICK_CELLS if args.quick else DEFAULT_CELLS)
+    for text in cells:
+        cell_args(text, 1, None)  # a bad cell fails here, before anything runs
+    return run_cells(cells, args, out, clock)
 
 
 if __name__ == "__main__":

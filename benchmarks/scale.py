@@ -24,8 +24,9 @@ its own largest one (ZeRO-3: no device holds all the factors or moments), and ru
 either the same window, each layer's activations split along the sequence (`batch`
 1 x seq), or a window per device, split along the batch (`batch` 8 x seq).
 
-Attention is the main job's, queries in chunks of 512 (`llama.QUERY_CHUNK`), so no
-`(T, T)` score matrix per head is whole. XLA:CPU has no bf16 arithmetic: a bf16 step
+Attention is the main job's, queries in chunks of 512 (`llama.QUERY_CHUNK`; what
+`Config.attention="auto"` runs off a GPU), so no `(T, T)` score matrix per head is whole.
+The same steps run for real on an accelerator in `benchmarks.accelerator`. XLA:CPU has no bf16 arithmetic: a bf16 step
 holds float32 copies of bf16 values that bf16 hardware does not (the dequantized weight
 a dot reads; the scan's saved layer inputs, which a bf16 `dynamic-update-slice` turns
 into one float32 copy of the whole stack).

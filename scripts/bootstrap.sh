@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Set up poetry (in .tools/) and the main env (.venv, Python 3.11) from poetry.lock.
 #   bash scripts/bootstrap.sh [poetry install options]   e.g. --with dev,docs
+#   bash scripts/bootstrap.sh -E cuda13                  accelerator jaxlib from the lock
+#                                                        (cuda12, cuda13, tpu; docs/gpu.md)
 #   source scripts/bootstrap.sh --with dev               also keeps $POETRY, $ROOT,
 #                                                        find_python and the env vars
 # Installs nothing outside the repo, so a fresh clone on a fresh machine works.

@@ -182,3 +182,83 @@ def test_scale_quick(tmp_path, method):
         eight = by[8, batch]
         assert eight["args_gib"] <= one["args_gib"] / 8 + eight["whole_gib"] + 1e-6
         assert eight["all-gather_gib"] > 0
+
+
+def test_accelerator_quick(tmp_path):
+    """The accelerator benchmark's smoke run on whatever device is here: every JAX cell runs
+    in its own process, a real step with finite losses, XLA's memory figures and an MFU;
+    PyTorch's cell runs where torch, transformers and peft import, else says so."""
+    from benchmarks import accelerator
+
+    rows = accelerator.main(["--quick", "--out", str(tmp_path), "--trace", "tiny:lora:1:layer:auto"])
+    assert [r["cell"] for r in rows] == list(accelerator.QUICK_CELLS)
+    for r in rows:
+        if r["cell"].startswith("peft:") and accelerator.torch_missing():
+            assert r["error"] == f"not run: {accelerator.torch_missing()} not installed"
+            continue
+        assert "error" not in r, r
+        assert r["step_s"] > 0 and r["finite"] and len(r["losses"]) == 3
+        assert r["model_tflops"] > 0 and 0 < r["mfu"]
+        if not r["cell"].startswith("peft:"):
+            assert r["xla_args_gib"] > 0 and r["attention_used"] in ("chunked", "xla")
+    traces = (tmp_path / "accelerator_traces.json").read_text()
+    assert "tiny:lora:1:layer:auto" in traces and "busy_ms" in traces
+    md = (tmp_path / "accelerator.md").read_text()
+    assert md.count("| tiny |") == sum("error" not in r for r in rows)
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert (tmp_path / "accelerator.png").stat().st_size > 0
+
+
+def test_accelerator_flops_count_every_matrix_product():
+    """N (the parameters of the matrix products) counted from the model's own parameter
+    shapes, independently of the benchmark's formula; 4N + 12 L d T for LoRA."""
+    import math
+
+    from benchmarks import accelerator, scale
+
+    for model in ("tiny", "llama-3-8b", "llama-3-70b"):
+        params = scale.abstract_params(scale.config(model), jax.numpy.bfloat16)
+        kernels = [params["embed"], *(params["layers"][k] for k in scale.TARGETS)]
+        n = sum(math.prod(x.shape) for x in kernels)
+        assert accelerator.matmul_params(model) == n
+        layers, dim, *_, seq = scale.MODELS[model]
+        assert accelerator.flops_per_token(model, "lora", seq) == 4 * n + 12 * layers * dim * seq
+        assert accelerator.flops_per_token(model, "full", seq) == 6 * n + 12 * layers * dim * seq
+    # Llama-3-8B at 2048 tokens: 7.50e9 matrix parameters, 33.2 GFLOP a token for LoRA.
+    assert abs(accelerator.flops_per_token("llama-3-8b", "lora", 2048) / 1e9 - 33.2) < 0.05
+
+
+def test_accelerator_ratios_pair_like_with_like():
+    from benchmarks import accelerator
+
+    row = lambda method, step, remat="none", batch=1: dict(  # noqa: E731
+        model="m", method=method, batch=batch, remat=remat, attention="auto", step_s=step,
+        tokens_per_s=batch * 1000 / step)
+    rows = accelerator.with_ratios([
+        row("lora", 1.0), row("hand", 0.8), row("qlora-nf4", 1.1), row("qlora-nf4", 2.0, "layer"),
+        row("peft-eager", 2.0), row("peft-compiled", 1.25), row("lora", 3.0, batch=4)])
+    lora, hand, q, q_layer, _, _, lora4 = rows
+    assert lora["vs_hand"] == pytest.approx(1.25) and hand["vs_lora"] == pytest.approx(0.8)
+    assert q["vs_lora"] == pytest.approx(1.1) and "vs_lora" not in q_layer  # no dense layer cell
+    assert lora["vs_peft"] == pytest.approx(1.25) and "vs_peft" not in lora4  # no PEFT at batch 4
+
+
+def test_accelerator_trace_summary_reads_the_gpu_streams_only():
+    """A Perfetto trace as JAX writes it on a GPU: the stream's kernels are counted, the
+    per-op lines over them ("XLA Ops") and the host's are not."""
+    from benchmarks import _device_step
+
+    meta = lambda ph, pid, tid, name, kind: dict(ph=ph, pid=pid, tid=tid, name=kind,  # noqa: E731
+                                                  args={"name": name})
+    span = lambda pid, tid, name, dur: dict(ph="X", pid=pid, tid=tid, name=name, dur=dur, ts=0)  # noqa: E731
+    trace = {"traceEvents": [
+        meta("M", 1, 0, "/device:GPU:0", "process_name"), meta("M", 2, 0, "/host:CPU", "process_name"),
+        meta("M", 1, 14, "Stream #14(Compute)", "thread_name"), meta("M", 1, 3, "XLA Ops", "thread_name"),
+        span(1, 14, "nvjet_sm90_tst_128x128_NNT", 3000), span(1, 14, "gemm_fusion_dot_5", 1000),
+        span(1, 14, "cudnn_generated_fort_native_sdpa_sm90_flash_fprop", 500),
+        span(1, 14, "memcpy128", 250), span(1, 14, "loop_add_fusion", 250),
+        span(1, 3, "fusion.12", 9999), span(2, 7, "PjitFunction(step)", 9999)]}
+    s = _device_step.summarise(trace)
+    assert s["device_events"] == "gpu streams" and s["busy_ms"] == 5.0
+    assert s["by_kind_ms"] == {"matmul": 4.0, "attention": 0.5, "copy": 0.25, "other": 0.25}
+    assert s["longest_ms"][0] == ["nvjet_sm90_tst_128x128_NNT", 3.0]

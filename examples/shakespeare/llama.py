@@ -180,7 +180,9 @@ def loss(cfg: Config, params, windows):
 
     `logsumexp` over the tied output layer one vocabulary chunk at a time (a running
     max and sum, the chunk's logits recomputed in the backward pass): the same value as
-    `optax.softmax_cross_entropy_with_integer_labels` on the full logits.
+    `optax.softmax_cross_entropy_with_integer_labels` on the full logits. It runs in the
+    hidden states' dtype: bf16 activations give a bf16 loss (cast `h` to float32 first
+    for a float32 one).
     """
     h = hidden_states(cfg, params, windows[:, :-1])
     return tied_loss(h, params["embed"], windows[:, 1:], cfg.vocab)
