@@ -45,7 +45,8 @@ def read_json(path: str | os.PathLike, who: str) -> Any:
     try:
         with open(path, encoding="utf-8") as f:
             return json.load(f)
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as err:
+    except (ValueError, RecursionError) as err:  # ValueError: bad UTF-8, bad JSON, an
+        # integer of more digits than Python converts
         raise ValueError(f"{who}: {os.fspath(path)!r} is not valid JSON ({err}).") from None
 
 
@@ -55,47 +56,73 @@ def parse_json(text: Any, who: str, where: str) -> Any:
         raise ValueError(f"{who}: {where} must be a JSON string, got {type(text).__name__}.")
     try:
         return json.loads(text)
-    except (json.JSONDecodeError, RecursionError) as err:
+    except (ValueError, RecursionError) as err:
         raise ValueError(f"{who}: {where} is not valid JSON ({err}).") from None
 
 
 def field(obj: Any, key: str, kind: str, who: str, where: str, default: Any = ...) -> Any:
-    """`obj[key]`, checked to be a `kind` (`"str"`, `"int"` (>= 0), `"pos_int"`,
-    `"number"` (finite), `"bool"`, `"ints"` (list of ints >= 0), `"dict"`, `"list"`)."""
+    """`obj[key]`, checked to be a `kind` (see `checked`); `where` names the file. A
+    missing key gives `default` (none: an error), and so does `null` when `default` is
+    `None`."""
     if not isinstance(obj, dict):
         raise ValueError(f"{who}: {where} must be a JSON object, got {type(obj).__name__}.")
     if key not in obj:
         if default is ...:
             raise ValueError(f"{who}: {where} has no {key!r} field.")
         return default
-    value = obj[key]
-    if value is None and default is None:
+    if obj[key] is None and default is None:
         return None
-    if not _is_kind(value, kind):
-        raise ValueError(f"{who}: {where}: {key!r} must be {_KINDS[kind][0]}, got {value!r}.")
+    return checked(obj[key], kind, who, f"{where}: {key}")
+
+
+def checked(value: Any, kind: str, who: str, where: str) -> Any:
+    """`value`, checked to be a `kind`: `"str"`, `"int"` (>= 0), `"pos_int"`, `"number"`
+    (finite), `"dropout"` (a number in [0, 1)), `"bool"`, `"ints"` (list of ints >= 0),
+    `"dict"`, `"list"`; `where` names the file and the field. JSON's `true` is no number
+    and `2.0` no integer."""
+    if not _KINDS[kind][1](value):
+        raise ValueError(f"{who}: {where}: expected {_KINDS[kind][0]}, got {_shown(value)}.")
     return value
+
+
+def _shown(value: Any) -> str:
+    """A value read from a file as its JSON (`null`, `true`, `"r"`), shortened."""
+    if _is_int(value) and value.bit_length() > 64:  # also past str()'s digit limit
+        return f"an integer of {value.bit_length()} bits"
+    try:
+        text = repr(value) if isinstance(value, bytes) else json.dumps(value)
+    except (TypeError, ValueError, RecursionError):  # numpy arrays, huge nested ints
+        text = f"a value of type {type(value).__name__}"
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+def _is_finite(v: Any) -> bool:
+    """A JSON number (not `true`) that is a finite float: an integer too large for a float
+    is not."""
+    if not (_is_int(v) or isinstance(v, float)):
+        return False
+    try:
+        return math.isfinite(v)
+    except OverflowError:
+        return False
+
+
 _KINDS = {
     "str": ("a string", lambda v: isinstance(v, str)),
     "int": ("an integer >= 0", lambda v: _is_int(v) and v >= 0),
     "pos_int": ("an integer >= 1", lambda v: _is_int(v) and v >= 1),
-    "number": ("a finite number", lambda v: (_is_int(v) or isinstance(v, float))
-               and math.isfinite(v)),
+    "number": ("a finite number", _is_finite),
+    "dropout": ("a number in [0, 1)", lambda v: _is_finite(v) and 0 <= v < 1),
     "bool": ("true or false", lambda v: isinstance(v, bool)),
     "ints": ("a list of integers >= 0", lambda v: isinstance(v, list)
              and all(_is_int(i) and i >= 0 for i in v)),
     "dict": ("a JSON object", lambda v: isinstance(v, dict)),
     "list": ("a list", lambda v: isinstance(v, list)),
 }
-
-
-def _is_kind(value: Any, kind: str) -> bool:
-    return _KINDS[kind][1](value)
 
 
 # -- GGUF containers (llama.cpp's model files) ----------------------------------------------
@@ -126,6 +153,20 @@ GGML_TYPES: dict[int, tuple[str, int, int]] = {
 _GGUF_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?",
                  10: "<Q", 11: "<q", 12: "<d"}
 _GGUF_STRING, _GGUF_ARRAY = 8, 9
+# The fewest bytes each header item takes, so that a count or length that the rest of the
+# file cannot hold is caught before anything is read or allocated for it: a value of each
+# type (a string: its u64 length; an array: element type u32 + count u64), a metadata entry
+# (key length, value type, one byte of value), a tensor info (name length, n_dims, one dim,
+# type, offset).
+_MIN_VALUE_BYTES = {**{t: struct.calcsize(c) for t, c in _GGUF_SCALARS.items()},
+                    _GGUF_STRING: 8, _GGUF_ARRAY: 12}
+_MIN_KV_BYTES, _MIN_TENSOR_INFO_BYTES = 8 + 4 + 1, 8 + 4 + 8 + 4 + 8
+GGML_MAX_DIMS = 4  # ggml's tensors have 1 to 4 axes; llama.cpp reads no others
+_MAX_ARRAY_NESTING = 4  # arrays of arrays (llama.cpp reads none): a bound on the recursion
+# No ggml type holds more than 8 values in a byte (the densest, Q1_0, has 128 in 18), so a
+# dimension, or the values of a tensor's non-empty axes together, beyond 8 per byte of the
+# file is a lie; the bound also keeps every shape within what numpy can hold.
+_MAX_VALUES_PER_BYTE = 8
 
 
 class GGUFTensor(NamedTuple):
@@ -160,7 +201,8 @@ class GGUFHeader:
 
 
 class _Cursor:
-    """Reads a header, naming the file, the caller and the field when the bytes run out."""
+    """Reads a header, naming the file, the caller and the field when the bytes run out or
+    a count or length cannot be true."""
 
     def __init__(self, buf: np.ndarray, path: str, who: str):
         self.buf, self.path, self.who, self.pos, self.what = buf, path, who, 0, "the header"
@@ -180,9 +222,20 @@ class _Cursor:
         self.pos += n
         return v
 
-    def string(self) -> str | bytes:
+    def count(self, what: str, min_bytes: int) -> int:
+        """A u64 count (or length) of items of at least `min_bytes` each, checked to fit
+        in the rest of the file before anything is read or allocated for them."""
         n = self.scalar("<Q")
-        self._need(n)
+        left = len(self.buf) - self.pos
+        if n * min_bytes > left:
+            each = f" of at least {min_bytes} bytes each" if min_bytes > 1 else " bytes"
+            raise self.fail(f"{what} is {n}, but the {left} bytes left in the file hold at "
+                            f"most {left // min_bytes}{each}: the header lies or the file is "
+                            "truncated.")
+        return n
+
+    def string(self) -> str | bytes:
+        n = self.count(f"the string length in {self.what}", 1)
         raw = self.buf[self.pos:self.pos + n].tobytes()
         self.pos += n
         try:
@@ -190,22 +243,28 @@ class _Cursor:
         except UnicodeDecodeError:
             return raw  # kept as the bytes it is (a vocabulary's odd token)
 
-    def value(self, vtype: int) -> Any:
+    def value(self, vtype: int, depth: int = 0) -> Any:
         if vtype in _GGUF_SCALARS:
             return self.scalar(_GGUF_SCALARS[vtype])
         if vtype == _GGUF_STRING:
             return self.string()
         if vtype != _GGUF_ARRAY:
             raise self.fail(f"{self.what} has an unknown value type {vtype}.")
-        etype, count = self.scalar("<I"), self.scalar("<Q")
+        return self.array(depth)
+
+    def array(self, depth: int) -> Any:
+        etype = self.scalar("<I")
+        if etype not in _MIN_VALUE_BYTES:
+            raise self.fail(f"{self.what} is an array of an unknown value type {etype}.")
+        if etype == _GGUF_ARRAY and depth + 1 >= _MAX_ARRAY_NESTING:
+            raise self.fail(f"{self.what} nests arrays more than {_MAX_ARRAY_NESTING} deep.")
+        count = self.count(f"the array length of {self.what}", _MIN_VALUE_BYTES[etype])
         if etype in _GGUF_SCALARS and etype != 7:  # numbers: one numpy array
             dtype = np.dtype(_GGUF_SCALARS[etype])
-            self._need(count * dtype.itemsize)
             out = np.frombuffer(self.buf, dtype, count, self.pos).copy()
             self.pos += count * dtype.itemsize
             return out
-        # Every element takes at least one byte, so a lying count runs out of file.
-        return [self.value(etype) for _ in range(count)]
+        return [self.value(etype, depth + 1) for _ in range(count)]
 
 
 def _gguf_entries(cur: _Cursor) -> tuple[dict[str, Any], list[tuple[str, tuple, int, int]]]:
@@ -217,21 +276,44 @@ def _gguf_entries(cur: _Cursor) -> tuple[dict[str, Any], list[tuple[str, tuple, 
         raise cur.fail("a big-endian GGUF file; only little-endian ones are read.")
     if version not in (2, 3):
         raise cur.fail(f"GGUF version {version}; versions 2 and 3 are read.")
-    n_tensors, n_kv = cur.scalar("<Q"), cur.scalar("<Q")
+    n_tensors = cur.count("the tensor count", _MIN_TENSOR_INFO_BYTES)
+    n_kv = cur.count("the metadata count", _MIN_KV_BYTES)
     metadata: dict[str, Any] = {}
     for i in range(n_kv):
         cur.what = f"metadata entry {i}"
         key = cur.string()
         cur.what = f"metadata {key!r}"
         metadata[key] = cur.value(cur.scalar("<I"))
-    infos = []
-    for i in range(n_tensors):
-        cur.what = f"tensor info {i}"
-        name = cur.string()
-        cur.what = f"the info of tensor {name!r}"
-        dims = tuple(cur.scalar("<Q") for _ in range(cur.scalar("<I")))
-        infos.append((name, dims, cur.scalar("<I"), cur.scalar("<Q")))
-    return metadata, infos
+    return metadata, [_tensor_info(cur, i) for i in range(n_tensors)]
+
+
+def _tensor_info(cur: _Cursor, i: int) -> tuple[str, tuple[int, ...], int, int]:
+    """`(name, dims, type id, offset)` of the `i`-th tensor info, its dims bounded."""
+    cur.what = f"tensor info {i}"
+    name = cur.string()
+    cur.what = f"the info of tensor {name!r}"
+    n_dims = cur.scalar("<I")
+    if not 1 <= n_dims <= GGML_MAX_DIMS:
+        raise cur.fail(f"tensor {name!r}: n_dims is {n_dims}; ggml tensors have 1 to "
+                       f"{GGML_MAX_DIMS} dims.")
+    dims = tuple(cur.scalar("<Q") for _ in range(n_dims))
+    _check_dims(cur, name, dims)
+    return name, dims, cur.scalar("<I"), cur.scalar("<Q")
+
+
+def _check_dims(cur: _Cursor, name: str, dims: tuple[int, ...]) -> None:
+    """Each dimension, and the values of the non-empty axes together, within what the file
+    could hold (`_MAX_VALUES_PER_BYTE`): an empty tensor cannot claim a shape numpy cannot
+    make, and a lying dimension is named before its byte count is worked out."""
+    limit, size = _MAX_VALUES_PER_BYTE * len(cur.buf), len(cur.buf)
+    for axis, d in enumerate(dims):
+        if d > limit:
+            raise cur.fail(f"tensor {name!r}: dimension {axis} is {d} (ggml dims {list(dims)}), "
+                           f"more values than a file of {size} bytes holds.")
+    values = math.prod(d for d in dims if d)
+    if values > limit:
+        raise cur.fail(f"tensor {name!r}: ggml dims {list(dims)} make {values} values, more "
+                       f"than a file of {size} bytes holds.")
 
 
 def _gguf_tensor_bytes(cur: _Cursor, name: str, dims: tuple[int, ...], type_id: int) -> int:
@@ -239,12 +321,22 @@ def _gguf_tensor_bytes(cur: _Cursor, name: str, dims: tuple[int, ...], type_id: 
         raise cur.fail(f"tensor {name!r} has ggml type id {type_id}, which is not a known "
                        "ggml type.")
     type_name, block, size = GGML_TYPES[type_id]
-    if not dims or dims[0] % block:
+    if dims[0] % block:
         raise cur.fail(
             f"tensor {name!r} ({type_name}, ggml dims {list(dims)}) has rows of "
-            f"{dims[0] if dims else 0} values, not a whole number of {type_name} blocks of "
+            f"{dims[0]} values, not a whole number of {type_name} blocks of "
             f"{block}: its byte count does not match its shape.")
     return math.prod(dims) // block * size
+
+
+def _gguf_tensor(cur: _Cursor, base: int, name: str, dims: tuple[int, ...], type_id: int,
+                 offset: int) -> GGUFTensor:
+    """A tensor's entry: its byte count from its dims and type; its offset within the file."""
+    n = _gguf_tensor_bytes(cur, name, dims, type_id)
+    if base + offset > len(cur.buf):
+        raise cur.fail(f"tensor {name!r}: its offset {offset} (from the data section at byte "
+                       f"{base}) points past the end of the file at byte {len(cur.buf)}.")
+    return GGUFTensor(dims, GGML_TYPES[type_id][0], base + offset, n)
 
 
 def _check_extents(cur: _Cursor, tensors: dict[str, GGUFTensor]) -> None:
@@ -264,9 +356,10 @@ def _check_extents(cur: _Cursor, tensors: dict[str, GGUFTensor]) -> None:
 
 def read_gguf_header(path: str | os.PathLike, who: str) -> GGUFHeader:
     """A GGUF file's metadata and tensor entries, memory-mapped and checked: a file
-    that is not GGUF or ends early, unknown value or tensor types, rows that are not
-    whole blocks, tensors past the end or overlapping the next are each a `ValueError`
-    naming `who`, the file and the field (or tensor)."""
+    that is not GGUF or ends early, a count, length or dimension the file cannot hold
+    (checked before anything is allocated for it), unknown value or tensor types, rows
+    that are not whole blocks, tensors past the end or overlapping the next are each a
+    `ValueError` naming `who`, the file and the field (or tensor)."""
     path = os.fspath(path)
     try:
         buf = np.memmap(path, mode="r")
@@ -282,7 +375,6 @@ def read_gguf_header(path: str | os.PathLike, who: str) -> GGUFHeader:
     for name, dims, type_id, offset in infos:
         if name in tensors:
             raise cur.fail(f"tensor {name!r} is listed twice.")
-        n = _gguf_tensor_bytes(cur, name, dims, type_id)
-        tensors[name] = GGUFTensor(dims, GGML_TYPES[type_id][0], base + offset, n)
+        tensors[name] = _gguf_tensor(cur, base, name, dims, type_id, offset)
     _check_extents(cur, tensors)
     return GGUFHeader(path, metadata, tensors, buf)

@@ -99,7 +99,9 @@ def save_gguf_lora(
 
     `ValueError` naming the module when it maps to no tensor of `base`, its factors
     do not fit that tensor, or `qk_rows` is needed and missing; naming the key path of
-    a [`lorax.DoraWeight`][] (llama.cpp has no DoRA).
+    a [`lorax.DoraWeight`][] (llama.cpp has no DoRA); naming `base` and the field when
+    its header cannot be read (as [`lorax.load_gguf`][]) or its block or head count does
+    not fit its tensors.
 
     !!! Example
 
@@ -179,6 +181,9 @@ def _base_model(gguf: Any, base: str | os.PathLike) -> _Base:
         raise ValueError(f"save_gguf_lora: {os.fspath(base)!r} holds no tensors; expected the "
                          "base model's GGUF file.")
     n_block = header.value(f"{arch}.block_count", "int", "save_gguf_lora")
+    if n_block > len(shapes):  # gguf's name table has entries for every block
+        raise ValueError(f"save_gguf_lora: GGUF {header.path!r}: {arch}.block_count is "
+                         f"{n_block}, more blocks than the file's {len(shapes)} tensors.")
     try:
         arch_enum = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch)
         name_map = gguf.get_tensor_name_map(arch_enum, n_block)
@@ -220,8 +225,19 @@ def _pair(m: Module, t: str, base: _Base, alpha: float,
                 "order the factors were trained in: qk_rows='hf' (the Hugging Face "
                 "checkpoint's, as PEFT adapters) or qk_rows='gguf' (the GGUF file's rows).")
         if qk_rows == "hf":
-            lora_b = _permute_rows(lora_b, base.n_head if qk.group(1) == "q" else base.n_head_kv)
+            lora_b = _permute_rows(lora_b, _heads(base, t, qk.group(1), lora_b.shape[0]))
     return lora_a, lora_b
+
+
+def _heads(base: _Base, t: str, which: str, rows: int) -> int:
+    """The head count that reorders `t`'s rows, checked to split them in halves per head."""
+    n, key = ((base.n_head, "head_count") if which == "q"
+              else (base.n_head_kv, "head_count_kv (head_count where absent)"))
+    if rows % (2 * n):
+        raise ValueError(f"save_gguf_lora: GGUF {base.file!r}: {base.arch}.attention.{key} is "
+                         f"{n}, which does not split the {rows} rows of {t!r} into two halves "
+                         "per head.")
+    return n
 
 
 def _write(gguf: Any, path: str | os.PathLike, arch: str, alpha: float,

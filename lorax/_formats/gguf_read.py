@@ -69,9 +69,10 @@ def load_gguf(path: str | os.PathLike, *, transpose: bool = False) -> tuple[dict
 
     **Raises:**
 
-    `ValueError` naming the file (and the tensor) for a file that is not GGUF or ends
-    early, a tensor whose bytes do not fit its shape or the file, or a tensor type
-    lorax does not read (listing the supported ones).
+    `ValueError` naming the file (and the field or tensor) for a file that is not GGUF or
+    ends early, a count, length, dimension or offset in the header that the file cannot
+    hold (checked before anything is allocated), a tensor whose bytes do not fit its shape
+    or the file, or a tensor type lorax does not read (listing the supported ones).
 
     !!! Example
 

@@ -28,7 +28,7 @@ import numpy as np
 
 from .. import _engine
 from .._adapter import _array_sharding, _read_safetensors, _write_safetensors
-from .._files import field, read_json
+from .._files import checked, field, read_json
 from .._sharding import factor_shardings, place_host_array
 from .._spec import LORA_FREEZE, LoraSpec
 from .._variants.dora import DoraWeight
@@ -323,16 +323,29 @@ def _read_config(directory: str) -> dict[str, Any]:
     return config
 
 
+# Fields lorax reads that may be `null` (PEFT's default then), and their kinds.
+_NULLABLE_FIELDS = (("use_rslora", "bool"), ("use_dora", "bool"), ("rank_pattern", "dict"),
+                    ("alpha_pattern", "dict"), ("peft_type", "str"))
+# The numbers a LoraConfig carries: absent is PEFT's default, but `null`, `true`, a string
+# or a container is an error (PEFT's own would come later, from torch). An alpha may be
+# negative or zero (it scales the update; lorax's LoraWeight allows both, save_peft writes
+# them); a rank is a whole number >= 1; dropout is a probability below 1.
+_NUMBER_FIELDS = (("r", "pos_int"), ("lora_alpha", "number"), ("lora_dropout", "dropout"))
+_PATTERN_FIELDS = (("rank_pattern", "pos_int"), ("alpha_pattern", "number"))
+
+
 def _check_config(config: Any, path: str) -> None:
-    """The types of every field lorax reads (a downloaded config may say anything)."""
-    who = "load_peft"
-    for key, kind in (("r", "pos_int"), ("lora_alpha", "number"), ("use_rslora", "bool"),
-                      ("use_dora", "bool"), ("rank_pattern", "dict"), ("alpha_pattern", "dict"),
-                      ("peft_type", "str")):
-        field(config, key, kind, who, repr(path), default=None)
-    for key, kind in (("rank_pattern", "pos_int"), ("alpha_pattern", "number")):
+    """The types of every field lorax reads and every number PEFT's config carries (a
+    downloaded config may say anything), each error naming the file and the field."""
+    who, where = "load_peft", repr(path)
+    for key, kind in _NULLABLE_FIELDS:
+        field(config, key, kind, who, where, default=None)
+    for key, kind in _NUMBER_FIELDS:
+        if key in config:
+            checked(config[key], kind, who, f"{where}: {key}")
+    for key, kind in _PATTERN_FIELDS:
         for name, value in (config.get(key) or {}).items():
-            field({name: value}, name, kind, who, f"{path!r}'s {key}")
+            checked(value, kind, who, f"{where}: {key}[{name!r}]")
 
 
 def _read_modules(directory: str) -> dict[str, dict[str, Any]]:
@@ -555,7 +568,10 @@ def load_peft(
     Either everything is applied or an error is raised: a module no parameter maps
     to, factors that do not fit, or a PEFT feature lorax does not read (`lora_bias`,
     `modules_to_save`, ...) is a `ValueError`
-    naming the module. `params` is not modified.
+    naming the module; a config number that is not of its kind (`r`, `lora_alpha`,
+    `lora_dropout`, a `rank_pattern` / `alpha_pattern` value set to `null`, `true`, a
+    string, a fraction for a rank, ...) a `ValueError` naming the file and the field.
+    `params` is not modified.
 
     **Arguments:**
 
@@ -783,21 +799,32 @@ def _assemble(target: _Target, loaded: dict[int, _Factors], use_dora: bool) -> _
     first = next(iter(loaded.values()))
     if not target.stacked:
         k = first.a.shape[0]
-        return _Assembled(first.a, first.b, first.mag, first.scale * k, k, 0, m, first.lay, dtype)
+        alpha = _alpha(target, first.scale, k)
+        return _Assembled(first.a, first.b, first.mag, alpha, k, 0, m, first.lay, dtype)
     n_layers = w.shape[0]
     k = max(f.a.shape[0] for f in loaded.values())
+    scale = max((f.scale for f in loaded.values()), key=abs)  # 0 only if every layer's is
     a = np.zeros((n_layers, k, *target.per_shape[m:]), dtype)
     b = np.zeros((n_layers, *target.per_shape[:m], k), dtype)
     for layer, f in loaded.items():
         r = f.a.shape[0]
         a[layer, :r] = f.a
-        # One alpha per LoraWeight: a layer's own scale is folded into its b.
-        b[layer, ..., :r] = f.b * (f.scale / first.scale)
+        # One alpha per LoraWeight: a layer's own scale is folded into its b (as a ratio
+        # of at most 1, which cannot overflow).
+        b[layer, ..., :r] = f.b * (f.scale / scale if scale else 1.0)
     mag = None
     if use_dora:
         mag = np.stack([loaded[i].mag if i in loaded else _norm(w, i, m, first.lay)
                         for i in range(n_layers)]).astype(dtype)
-    return _Assembled(a, b, mag, first.scale * k, k, 1, m, first.lay, dtype)
+    return _Assembled(a, b, mag, _alpha(target, scale, k), k, 1, m, first.lay, dtype)
+
+
+def _alpha(target: _Target, scale: float, k: int) -> float:
+    """The LoraWeight's alpha for PEFT's `scale` at rank `k`, a finite float."""
+    if not math.isfinite(scale * k):
+        raise ValueError(f"load_peft: the adapter's scale for {target.path!r} ({scale} at rank "
+                         f"{k}, from lora_alpha or alpha_pattern) is too large for a float.")
+    return scale * k
 
 
 def _place(target: _Target, x: _Assembled) -> tuple[Any, Any]:

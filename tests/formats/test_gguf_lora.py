@@ -142,3 +142,31 @@ def test_errors_name_the_module(tmp_path, base):
     with pytest.raises(ValueError, match="qk_rows must be 'hf' or 'gguf'"):
         lorax.save_gguf_lora(out, lp, base, module_name=NAMES, layout=LAYOUT, qk_rows="HF")
     assert not out.exists()  # nothing half-written
+
+
+def _metadata_set(base, key, value):
+    """`base` with the u32 value of metadata `key` replaced (the file is otherwise the same)."""
+    raw = bytearray(base.read_bytes())
+    at = raw.index(key.encode()) + len(key) + 4  # after the key and its value type
+    raw[at:at + 4] = value.to_bytes(4, "little")
+    base.write_bytes(bytes(raw))
+
+
+def test_base_metadata_the_file_cannot_be_is_named(tmp_path, base):
+    """A base file's block count is bounded before gguf's name table is built for it (2^31
+    blocks was 23 GB), and a head count that does not split q/k rows into halves per head
+    is named (was numpy's reshape error, naming no file)."""
+    lp, out = _lora(), tmp_path / "adapter.gguf"
+    full = base.read_bytes()
+    _metadata_set(base, "llama.block_count", 2**31)
+    with pytest.raises(ValueError, match=r"base\.gguf': llama\.block_count is 2147483648, more "
+                                         r"blocks than the file's 7 tensors"):
+        lorax.save_gguf_lora(out, lp, base, module_name=NAMES, layout=LAYOUT, qk_rows="hf")
+    base.write_bytes(full)
+    _metadata_set(base, "llama.attention.head_count", 3)
+    with pytest.raises(ValueError, match=r"base\.gguf': llama\.attention\.head_count is 3, which "
+                                         r"does not split the 16 rows of 'blk\.0\.attn_q\.weight'"):
+        lorax.save_gguf_lora(out, lp, base, module_name=NAMES, layout=LAYOUT, qk_rows="hf")
+    lorax.save_gguf_lora(out, lp, base, module_name=NAMES, layout=LAYOUT, qk_rows="gguf")
+    base.write_bytes(full)  # the control
+    lorax.save_gguf_lora(out, lp, base, module_name=NAMES, layout=LAYOUT, qk_rows="hf")

@@ -6,6 +6,7 @@ Q4_K_M file (Gemma 3 270M) bit for bit like gguf-py."""
 from __future__ import annotations
 
 import importlib.util
+import struct
 
 import jax
 import ml_dtypes
@@ -144,8 +145,14 @@ def test_a_truncated_file_names_the_file_and_the_tensor_cut_short(tmp_path):
     with pytest.raises(ValueError, match=r"cut\.gguf': tensor 'b\.weight' \(Q5_0.*file ends at byte "
                        r".*truncated"):
         lorax.load_gguf(cut)
-    cut.write_bytes(full[:40])  # inside the header
-    with pytest.raises(ValueError, match=r"cut\.gguf': the file ends at byte 40, inside .*truncated"):
+    at = full.index(b"b.weight") + len(b"b.weight") + 2  # inside the header: b's n_dims
+    cut.write_bytes(full[:at])
+    with pytest.raises(ValueError, match=rf"cut\.gguf': the file ends at byte {at}, inside "
+                       r"the info of tensor 'b\.weight' .*truncated"):
+        lorax.load_gguf(cut)
+    cut.write_bytes(full[:40])  # so early that the tensor count cannot be true
+    with pytest.raises(ValueError, match=r"cut\.gguf': the tensor count is 2, but the 24 bytes "
+                       r"left in the file hold at most 0 .*truncated"):
         lorax.load_gguf(cut)
     cut.write_bytes(b"")
     with pytest.raises(ValueError, match=r"cut\.gguf' is empty"):
@@ -175,6 +182,74 @@ def test_a_tensor_whose_bytes_do_not_match_its_shape_is_named(tmp_path):
     with pytest.raises(ValueError, match=r"rows\.gguf': tensor 'c\.weight' \(Q4_0, ggml dims "
                        r"\[100, 2\]\) has rows of 100 values, not a whole number of Q4_0 blocks"):
         lorax.load_gguf(path)
+
+
+def _overwrite(path, at, value, code="<Q"):
+    raw = bytearray(path.read_bytes())
+    struct.pack_into(code, raw, at, value)
+    path.write_bytes(bytes(raw))
+    return len(raw)
+
+
+@pytest.mark.parametrize("value", [2**31, 2**32 + 5, 2**63, 2**64 - 1])
+def test_a_dimension_the_file_cannot_hold_is_named(tmp_path, value):
+    """The reported case: a tensor's dimension set to 2^31 (or past 2^32, 2^63) was numpy's
+    "Maximum allowed dimension exceeded", naming neither the file nor the field."""
+    path = _write(tmp_path / "dims.gguf", [("a.weight", np.ones((4, 32), np.float32), None, None)])
+    at = path.read_bytes().index(b"a.weight") + len(b"a.weight") + 4 + 8  # ggml dim 1 (rows)
+    size = _overwrite(path, at, value)
+    with pytest.raises(ValueError) as err:
+        lorax.load_gguf(path)
+    assert str(err.value) == (
+        f"load_gguf: GGUF {str(path)!r}: tensor 'a.weight': dimension 1 is {value} (ggml dims "
+        f"[32, {value}]), more values than a file of {size} bytes holds.")
+
+
+def test_an_empty_tensor_cannot_claim_a_shape_numpy_cannot_hold(tmp_path):
+    """A zero dimension makes the byte count 0 whatever the others say: they are bounded
+    anyway (was a TypeError from a (0, 2^63 + 256) QuantizedArray)."""
+    path = _write(tmp_path / "empty.gguf", [("a.weight", np.ones((2, 2, 32), np.float32), None, None)])
+    dims = path.read_bytes().index(b"a.weight") + len(b"a.weight") + 4
+    _overwrite(path, dims + 8, 0)          # ggml dims [32, 0, 2]
+    size = _overwrite(path, dims + 16, 2**63)
+    with pytest.raises(ValueError, match=rf"empty\.gguf': tensor 'a\.weight': dimension 2 is {2**63} "
+                       r"\(ggml dims \[32, 0, 9223372036854775808\]\)"):
+        lorax.load_gguf(path)
+    _overwrite(path, dims + 16, 4000)      # each dim within 8 values a byte, together not
+    with pytest.raises(ValueError, match=rf"empty\.gguf': tensor 'a\.weight': ggml dims \[32, 0, "
+                       rf"4000\] make 128000 values, more than a file of {size} bytes holds"):
+        lorax.load_gguf(path)
+
+
+def test_counts_lengths_and_offsets_the_file_cannot_hold_are_named(tmp_path):
+    """Each count, length, n_dims and offset of the header, set to what the file cannot
+    hold, is named before anything is allocated for it."""
+    path = _write(tmp_path / "h.gguf", [("a.weight", np.ones((4, 32), np.float32), None, None)],
+                  meta=[lambda w: w.add_array("x.ids", [1, 2, 3])])
+    full = path.read_bytes()
+    name = full.index(b"a.weight")
+    cases = [  # (where, value, u32 or u64, what the error says)
+        (8, 2**32 + 5, "<Q", r"the tensor count is 4294967301, but the \d+ bytes left in the "
+                             r"file hold at most \d+ of at least 32 bytes each"),
+        (16, 2**63, "<Q", r"the metadata count is 9223372036854775808, but the \d+ bytes left"),
+        (24, 2**31, "<Q", r"the string length in metadata entry 0 is 2147483648, but"),
+        (full.index(b"x.ids") + 5 + 4 + 4, 2**64 - 1, "<Q",
+         r"the array length of metadata 'x\.ids' is 18446744073709551615, but the \d+ bytes "
+         r"left in the file hold at most \d+ of at least 4 bytes each"),
+        (full.index(b"x.ids") + 5 + 4, 99, "<I", r"metadata 'x\.ids' is an array of an unknown "
+                                                 r"value type 99"),
+        (name - 8, 2**63, "<Q", r"the string length in tensor info 0 is 9223372036854775808"),
+        (name + 8, 5, "<I", r"tensor 'a\.weight': n_dims is 5; ggml tensors have 1 to 4 dims"),
+        (name + 8 + 4 + 16 + 4, 2**63, "<Q", r"tensor 'a\.weight': its offset 9223372036854775808 "
+                                              r"\(from the data section at byte \d+\) points past"),
+    ]
+    for at, value, code, match in cases:
+        path.write_bytes(full)
+        _overwrite(path, at, value, code)
+        with pytest.raises(ValueError, match=r"h\.gguf': " + match):
+            lorax.load_gguf(path)
+    path.write_bytes(full)  # the control
+    assert lorax.load_gguf(path)[1]["x.ids"].tolist() == [1, 2, 3]
 
 
 # -- a real Q4_K_M file ------------------------------------------------------------------------

@@ -274,6 +274,80 @@ def test_error_unread_config_feature(tmp_path, entry, match):
         lorax.load_peft(tmp_path, params)
 
 
+def test_error_lora_alpha_null_names_the_file_and_the_field(tmp_path):
+    """The reported case: `"lora_alpha": null` was a `TypeError` from `float()`."""
+    params = _saved(tmp_path)
+    config = json.load(open(tmp_path / "adapter_config.json"))
+    config["lora_alpha"] = None
+    json.dump(config, open(tmp_path / "adapter_config.json", "w"))
+    with pytest.raises(ValueError) as err:
+        lorax.load_peft(tmp_path, params)
+    assert str(err.value) == (f"load_peft: {str(tmp_path / 'adapter_config.json')!r}: lora_alpha: "
+                              "expected a finite number, got null.")
+
+
+@pytest.mark.parametrize("entry, match", [
+    ({"r": 2.0}, r"r: expected an integer >= 1, got 2\.0"),
+    ({"r": True}, r"r: expected an integer >= 1, got true"),
+    ({"r": 0}, r"r: expected an integer >= 1, got 0"),
+    ({"lora_alpha": "16"}, r"lora_alpha: expected a finite number, got \"16\""),
+    ({"lora_alpha": [16]}, r"lora_alpha: expected a finite number, got \[16\]"),
+    ({"lora_alpha": 10**400}, r"lora_alpha: expected a finite number, got an integer of 1329 bits"),
+    ({"lora_alpha": float("nan")}, r"lora_alpha: expected a finite number, got NaN"),
+    ({"lora_dropout": 1.0}, r"lora_dropout: expected a number in \[0, 1\), got 1\.0"),
+    ({"lora_dropout": -0.1}, r"lora_dropout: expected a number in \[0, 1\), got -0\.1"),
+    ({"lora_dropout": None}, r"lora_dropout: expected a number in \[0, 1\), got null"),
+    ({"rank_pattern": {"q_proj": 2.5}}, r"rank_pattern\['q_proj'\]: expected an integer >= 1, got 2\.5"),
+    ({"alpha_pattern": {"q_proj": {"a": 1}}},
+     r"alpha_pattern\['q_proj'\]: expected a finite number, got \{\"a\": 1\}"),
+])
+def test_error_config_numbers_name_the_file_and_the_field(tmp_path, entry, match):
+    params = _saved(tmp_path)
+    config = json.load(open(tmp_path / "adapter_config.json"))
+    config.update(entry)
+    json.dump(config, open(tmp_path / "adapter_config.json", "w"))
+    with pytest.raises(ValueError, match=r"adapter_config\.json': " + match):
+        lorax.load_peft(tmp_path, params)
+
+
+@pytest.mark.parametrize("alpha", [-4, 0])
+def test_negative_and_zero_alphas_load_as_written(tmp_path, alpha):
+    """An alpha scales the update: negative flips it, zero removes it; both load as lorax
+    writes them."""
+    params = _saved(tmp_path)
+    config = json.load(open(tmp_path / "adapter_config.json"))
+    config["lora_alpha"] = alpha
+    json.dump(config, open(tmp_path / "adapter_config.json", "w"))
+    loaded, _ = lorax.load_peft(tmp_path, params)
+    assert loaded["model"]["q_proj"]["kernel"].alpha == alpha
+
+
+def test_stacked_layer_with_zero_alpha_and_a_scale_too_large(tmp_path):
+    """A stack whose first adapted layer has alpha 0 (its update is zero, the others' are
+    not; was a ZeroDivisionError), and one whose scale no float holds."""
+    rng = np.random.default_rng(0)
+    w = rng.normal(size=(3, 8, 6)).astype(np.float32)
+    tensors = {}
+    for i in (0, 2):
+        tensors[f"{P}layers.{i}.q.lora_A.weight"] = rng.normal(size=(2, 8)).astype(np.float32)
+        tensors[f"{P}layers.{i}.q.lora_B.weight"] = rng.normal(size=(6, 2)).astype(np.float32)
+    safetensors.numpy.save_file(tensors, str(tmp_path / "adapter_model.safetensors"))
+    params, names = {"layers": {"q": jnp.asarray(w)}}, {"layers/q": "layers.{layer}.q"}
+    config = {"peft_type": "LORA", "r": 2, "lora_alpha": 0, "alpha_pattern": {"layers.2.q": 3}}
+    json.dump(config, open(tmp_path / "adapter_config.json", "w"))
+    eff = np.asarray(lorax.load_peft(tmp_path, params, layout="in_out", module_name=names)[0]
+                     ["layers"]["q"].materialize())
+    update = tensors[f"{P}layers.2.q.lora_B.weight"] @ tensors[f"{P}layers.2.q.lora_A.weight"]
+    for i, ref in enumerate([w[0].T, w[1].T, w[2].T + 1.5 * update]):
+        assert_close(eff[i].T, ref, err_msg=f"layer {i}")
+    # rsLoRA: the scale 1.7e308 / sqrt(2) is a float, the LoraWeight's alpha (scale · 2) not.
+    config.update(lora_alpha=1, alpha_pattern={"layers.2.q": 1.7e308}, use_rslora=True)
+    json.dump(config, open(tmp_path / "adapter_config.json", "w"))
+    with pytest.raises(ValueError, match=r"scale for 'layers/q' \(1\.20\d*e\+308 at rank 2, "
+                       r"from lora_alpha or alpha_pattern\) is too large"):
+        lorax.load_peft(tmp_path, params, layout="in_out", module_name=names)
+
+
 def test_error_missing_factor(tmp_path):
     params = _saved(tmp_path)
     tensors = safetensors.numpy.load_file(str(tmp_path / "adapter_model.safetensors"))

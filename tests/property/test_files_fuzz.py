@@ -4,14 +4,20 @@ size, no half-applied adapter.
 
 Each example starts from a valid file and applies one mutation: truncation, bit flips,
 an edit of a tensor's header entry (offsets past the end, overlapping, negative or huge
-shapes, unknown dtypes), or of a JSON field the loader reads (any JSON type). The
-thorough profile runs 600 examples per file kind (`HYPOTHESIS_PROFILE=thorough`).
+shapes, unknown dtypes), or of a JSON field the loader reads (any JSON type); a GGUF
+file's header gets bytes or whole 8-byte words overwritten (counts, lengths, dims, offsets
+set to 2^31, 2^32+5, 2^63, 2^64-1). Beside the random examples, every number PEFT's config
+carries is set to each JSON type, and every 8-byte word of a GGUF header to each of those
+four values, each case checked. The thorough profile runs 600 examples per file kind
+(`HYPOTHESIS_PROFILE=thorough`).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
+import re
 import struct
 
 import jax
@@ -34,6 +40,12 @@ json_values = st.recursive(
     | st.text(max_size=8),
     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner, max_size=3),
     max_leaves=6)
+
+
+# The numbers PEFT's config carries (the patterns' values under the saved module's name),
+# and numbers that are each wrong somewhere (a negative alpha is not: it scales the update).
+PEFT_NUMBERS = ["r", "lora_alpha", "lora_dropout", "rank_pattern", "alpha_pattern"]
+ODD_NUMBERS = [0, -1, 2.5, 1.0, 2**70, 10**400, 1e308, float("nan"), float("inf")]
 
 
 def _lora_params():
@@ -128,7 +140,10 @@ def test_mutated_peft_adapters(valid_files, tmp_path, data):
     else:
         cfg = json.loads(config)
         if data.draw(st.booleans()):
-            cfg[data.draw(st.sampled_from(sorted(cfg)))] = data.draw(json_values)
+            key = data.draw(st.sampled_from(sorted(cfg)) | st.sampled_from(PEFT_NUMBERS))
+            value = data.draw(json_values | st.sampled_from(ODD_NUMBERS))
+            in_pattern = key.endswith("_pattern") and data.draw(st.booleans())
+            cfg[key] = {"w": value} if in_pattern else value  # a pattern's value, or itself
             config = json.dumps(cfg).encode()
         else:
             config = config[:data.draw(st.integers(0, len(config) - 1))]
@@ -136,6 +151,51 @@ def test_mutated_peft_adapters(valid_files, tmp_path, data):
     (d / "adapter_config.json").write_bytes(config)
     base = {"w": jnp.asarray(PARAMS["w"])}
     _loads_or_names_the_file(lambda: lorax.load_peft(d, base, layout="in_out"), os.fspath(d))
+
+
+def _finite(value) -> bool:
+    if type(value) not in (int, float):  # not bool, str, list, dict, None
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an integer beyond float's range
+        return False
+
+
+def _fits(key: str, value) -> bool:
+    """Whether `value` is a valid `key` for the fuzzed adapter (rank 2, one module `w`)."""
+    if key in ("r", "rank_pattern"):
+        return type(value) is int and value == 2
+    if key == "lora_dropout":
+        return _finite(value) and 0 <= value < 1
+    return _finite(value)  # an alpha: any finite number
+
+
+@pytest.mark.parametrize("key", PEFT_NUMBERS)
+def test_each_peft_number_set_to_each_json_type(valid_files, tmp_path, key):
+    """`null`, `true`, a string, a list, an object, a float, negative, zero and huge numbers
+    in each number PEFT's config carries: either the adapter loads (a value that fits) or a
+    `ValueError` names the config file and the field, never a `TypeError` from `float()`."""
+    d = tmp_path / "peft"
+    d.mkdir()
+    (d / "adapter_model.safetensors").write_bytes(valid_files["peft_weights"])
+    base = {"w": jnp.asarray(PARAMS["w"])}
+    field = f"{key}['w']" if key.endswith("_pattern") else key
+    for value in [None, True, False, "2", [2], {"w": 2}, 2, *ODD_NUMBERS]:
+        cfg = json.loads(valid_files["peft_config"])
+        cfg[key] = {"w": value} if key.endswith("_pattern") else value
+        (d / "adapter_config.json").write_text(json.dumps(cfg))
+        try:
+            lp, _ = lorax.load_peft(d, base, layout="in_out")
+        except ValueError as err:
+            assert not _fits(key, value), f"{key} = {value!r} fits but: {err}"
+            assert os.fspath(d) in str(err), f"{key} = {value!r}: no file named: {err}"
+            ours = f"{os.fspath(d / 'adapter_config.json')!r}: {field}: expected"
+            mismatch = "the config says r = " if type(value) is int and value > 0 else ours
+            assert ours in str(err) or mismatch in str(err), f"{key} = {value!r}: {err}"
+        else:
+            assert _fits(key, value), f"{key} = {value!r} loaded"
+            assert isinstance(lp["w"], lorax.LoraWeight) and math.isfinite(lp["w"].alpha)
 
 
 # -- GGUF: the base file save_gguf_lora reads ------------------------------------------
@@ -159,13 +219,22 @@ def _gguf_base(path):
     w.close()
 
 
+# Header words that cannot be true of a small file, each past a limit (int32, uint32, int64).
+WORDS = [2**31, 2**32 + 5, 2**63, 2**64 - 1]
+
+
 @st.composite
 def gguf_mutations(draw, data: bytes):
-    if draw(st.booleans()):
+    kind = draw(st.sampled_from(["truncate", "bytes", "word"]))
+    if kind == "truncate":
         return data[:draw(st.integers(0, len(data) - 1))]
     out = bytearray(data)
     # Flips in the header (counts, lengths, types, dims, offsets) are what can lie.
     header_end = min(len(data), 600)
+    if kind == "word":  # one u64 (a count, length, dim or offset, or parts of two) replaced
+        at = draw(st.integers(0, header_end - 8))
+        struct.pack_into("<Q", out, at, draw(st.sampled_from(WORDS) | st.integers(0, 2**64 - 1)))
+        return bytes(out)
     for _ in range(draw(st.integers(1, 4))):
         i = draw(st.integers(0, header_end - 1))
         out[i] = draw(st.integers(0, 255))
@@ -226,6 +295,61 @@ def test_mutated_gguf_model_files(tmp_path, data):
     for x in tensors.values():  # what loaded is whole: its bytes fit its shape
         dense = np.asarray(x.dequantize() if isinstance(x, lorax.QuantizedArray) else x)
         assert dense.shape == tuple(x.shape)
+
+
+# What a GGUF error names: a tensor, a metadata entry or field, a count, the file's kind.
+GGUF_FIELD = re.compile(r"tensor |metadata|count is|version|big-endian|not a GGUF file|"
+                        r"general\.alignment|has no '.*' field|: expected |head_count")
+
+
+def _header_end(path) -> int:
+    """Where a GGUF file's data section starts (its header and padding end)."""
+    import gguf
+
+    return int(gguf.GGUFReader(path).data_offset)
+
+
+def _load_model(path, tmp_path):
+    tensors, _ = lorax.load_gguf(path)
+    for x in tensors.values():  # what loaded is whole: its bytes fit its shape
+        dense = np.asarray(x.dequantize() if isinstance(x, lorax.QuantizedArray) else x)
+        assert dense.shape == tuple(x.shape)
+
+
+def _adapter_for(path, tmp_path):
+    lp = lorax.init_lora({"w": jnp.zeros((8, 32))}, {"w": 2}, jax.random.PRNGKey(0))
+    lorax.save_gguf_lora(tmp_path / "adapter.gguf", lp, path, layout="out_in",
+                         module_name=lambda p, l: "model.layers.0.mlp.down_proj")
+
+
+@pytest.mark.parametrize("make, use", [(_gguf_model, _load_model), (_gguf_base, _adapter_for)],
+                         ids=["load_gguf", "save_gguf_lora"])
+def test_each_header_word_set_to_each_huge_value(tmp_path, make, use):
+    """Every 8-byte word of a small GGUF file's header (at every byte, so every field and
+    every pair of neighbours) set to 2^31, 2^32+5, 2^63 and 2^64-1: `load_gguf` loads
+    whole tensors (`save_gguf_lora` writes an adapter for it) or a `ValueError` names the
+    file and the field, never numpy's "Maximum allowed dimension exceeded" or a
+    `TypeError`."""
+    pytest.importorskip("gguf")
+    make(tmp_path / "valid.gguf")
+    data, end = (tmp_path / "valid.gguf").read_bytes(), _header_end(tmp_path / "valid.gguf")
+    path, escaped, failed = tmp_path / "edited.gguf", [], 0
+    for at in range(end - 8 + 1):
+        for value in WORDS:
+            out = bytearray(data)
+            struct.pack_into("<Q", out, at, value)
+            path.write_bytes(bytes(out))
+            try:
+                use(path, tmp_path)
+            except ValueError as err:
+                failed += 1
+                if os.fspath(path) not in str(err) or not GGUF_FIELD.search(str(err)):
+                    escaped.append((at, value, str(err)))
+            except Exception as err:  # noqa: BLE001 - what escapes is the finding
+                escaped.append((at, value, f"{type(err).__name__}: {err}"))
+    assert not escaped, f"{len(escaped)} cases escaped, e.g. {escaped[:3]}"
+    print(f"{failed} of {4 * (end - 7)} header words rejected")
+    assert failed > 0.5 * 4 * (end - 7)  # most words cannot be true (the rest are in names)
 
 
 def test_the_unmutated_files_load(valid_files, tmp_path):
