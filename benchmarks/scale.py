@@ -33,6 +33,12 @@ into one float32 copy of the whole stack).
 
     python -m benchmarks.scale [--quick] [--models llama-3.2-1b,llama-3-8b,llama-3-70b]
                                [--methods full,lora,qlora-nf4,qlora-int8] [--out DIR]
+                               [--layouts 1,fsdp,fsdp-batch,tp,fsdp-tp] [--name scale]
+
+`--layouts tp,fsdp-tp` compiles Megatron's tensor-parallel layout over the 8 devices (q,
+k, v, gate, up split along their outputs, o and down along their inputs; activations
+whole on every device) and the same with FSDP on the other weight axis over a 2 x 4
+(`fsdp`, `tp`) mesh, a window per `fsdp` group.
 """
 
 from __future__ import annotations
@@ -210,6 +216,39 @@ def placed(tree: Any, mesh: Mesh | None) -> Any:
     return jax.tree.map(lambda x: _place(x, mesh), tree, is_leaf=is_leaf)
 
 
+# -- tensor-parallel layouts (Megatron), optionally with FSDP on the other weight axis -----
+
+COLUMN, ROW = ("q", "k", "v", "gate", "up"), ("o", "down")  # split along `out`, along `in`
+
+
+def _tp_spec(path: str, ndim: int, mesh: Mesh) -> P:
+    """Column-parallel q/k/v/gate/up, row-parallel o/down over `tp`; the other weight axis
+    (and the embedding's `dim`) over `fsdp` where the mesh has it; norms replicated."""
+    fsdp = "fsdp" if "fsdp" in mesh.axis_names else None
+    name = path.split("'")[-2] if "'" in path else path
+    if "layers" in path and name in COLUMN:
+        return P(None, fsdp, "tp")
+    if "layers" in path and name in ROW:
+        return P(None, "tp", fsdp)
+    return P(None, fsdp) if name == "embed" else P()
+
+
+def _tp_place(path: Any, x: Any, mesh: Mesh) -> Any:
+    spec = _tp_spec(jax.tree_util.keystr(path), x.ndim, mesh)
+    if isinstance(x, lorax.LoraWeight):
+        a_spec, b_spec = factor_specs(spec, x.ndim, x.structure[0], x.axes.m)
+        sds = lambda y, s: jax.ShapeDtypeStruct(y.shape, y.dtype, sharding=NamedSharding(mesh, s))  # noqa: E731
+        return lorax.LoraWeight(_place_dense_or_quantized(x.w, spec, mesh), sds(x.a, a_spec),
+                                sds(x.b, b_spec), alpha=x.alpha)
+    return _place_dense_or_quantized(x, spec, mesh)
+
+
+def tp_placed(tree: Any, mesh: Mesh) -> Any:
+    is_leaf = lambda x: isinstance(x, (lorax.LoraWeight, lorax.QuantizedArray))  # noqa: E731
+    return jax.tree_util.tree_map_with_path(lambda p, x: _tp_place(p, x, mesh), tree,
+                                            is_leaf=is_leaf)
+
+
 # -- the step --------------------------------------------------------------------------------
 
 
@@ -217,9 +256,12 @@ def compile_step(cfg: Any, method: str, dtype: Any, mesh: Mesh | None, seq: int,
                  per_device: bool = False) -> Any:
     """The jitted Adam step on abstract parameters, compiled. `per_device`: a window per
     device (FSDP's usual batch, split along the batch); else one window, whatever the
-    mesh (the single-device job spread over the devices, split along its tokens)."""
+    mesh (the single-device job spread over the devices, split along its tokens). A mesh
+    with a `tp` axis: Megatron's layout (`tp_placed`), the activations whole along `tp`
+    and a window per `fsdp` group."""
     params, spec = build(cfg, method, dtype)
-    trainable, frozen = lorax.partition(placed(params, mesh), spec)
+    tp = mesh is not None and "tp" in mesh.axis_names
+    trainable, frozen = lorax.partition(tp_placed(params, mesh) if tp else placed(params, mesh), spec)
     optimizer = optax.adam(1e-4)
     state = jax.eval_shape(optimizer.init, trainable)
     if mesh is not None:  # the moments follow their parameters' layout
@@ -228,6 +270,8 @@ def compile_step(cfg: Any, method: str, dtype: Any, mesh: Mesh | None, seq: int,
             state, trainable, transform_non_params=lambda s: jax.ShapeDtypeStruct(
                 s.shape, s.dtype, sharding=NamedSharding(mesh, P())))
     n = mesh.size if per_device and mesh is not None else 1
+    if tp:
+        n = dict(mesh.shape).get("fsdp", 1)
     windows = jax.ShapeDtypeStruct(
         (n, seq + 1), jnp.int32,
         sharding=None if mesh is None else NamedSharding(mesh, P("fsdp" if n > 1 else None)))
@@ -252,7 +296,10 @@ def _activations_pinned(mesh: Mesh | None, per_device: bool):
     logical-axis rules pin them, or XLA's propagation may keep them whole per device."""
     block = LLAMA.block
     if mesh is not None:
-        tokens = NamedSharding(mesh, P("fsdp") if per_device else P(None, "fsdp"))
+        if "tp" in mesh.axis_names:  # whole along `tp`, a window per `fsdp` group
+            tokens = NamedSharding(mesh, P("fsdp") if "fsdp" in mesh.axis_names else P())
+        else:
+            tokens = NamedSharding(mesh, P("fsdp") if per_device else P(None, "fsdp"))
         LLAMA.block = lambda cfg, x, layer: jax.lax.with_sharding_constraint(
             block(cfg, jax.lax.with_sharding_constraint(x, tokens), layer), tokens)
     try:
@@ -309,6 +356,16 @@ def collective_bytes(text: str) -> dict[str, int]:
     return out
 
 
+def layout_name(mesh: Mesh | None) -> str:
+    """`1 device`, `FSDP x8`, `TP x8`, `FSDP 2 x TP 4`."""
+    if mesh is None:
+        return "1 device"
+    if len(mesh.shape) == 1:
+        ((axis, n),) = mesh.shape.items()
+        return f"{axis.upper()} x{n}"
+    return " x ".join(f"{axis.upper()} {n}" for axis, n in mesh.shape.items())
+
+
 def measure(name: str, method: str, dtype_name: str, mesh: Mesh | None,
             per_device: bool = False) -> dict:
     cfg, seq = config(name), MODELS[name][-1]
@@ -317,8 +374,10 @@ def measure(name: str, method: str, dtype_name: str, mesh: Mesh | None,
     compiled, whole = compile_step(cfg, method, dtype, mesh, seq, per_device)
     m = compiled.memory_analysis()
     devices = 1 if mesh is None else mesh.size
+    windows = dict(mesh.shape).get("fsdp", 1) if mesh is not None and "tp" in mesh.axis_names \
+        else devices if per_device else 1
     row = dict(model=name, method=method, dtype=dtype_name, devices=devices,
-               batch=f"{devices if per_device else 1}x{seq}",
+               layout=layout_name(mesh), batch=f"{windows}x{seq}",
                args_gib=m.argument_size_in_bytes / GiB, temps_gib=m.temp_size_in_bytes / GiB,
                peak_gib=(m.argument_size_in_bytes + m.temp_size_in_bytes
                          + m.output_size_in_bytes - m.alias_size_in_bytes) / GiB,
@@ -331,10 +390,10 @@ def measure(name: str, method: str, dtype_name: str, mesh: Mesh | None,
 
 def markdown(rows: list[dict]) -> str:
     return C.md_table(
-        ["model", "method", "dtype", "devices", "batch", "args GiB", "temps GiB", "peak GiB",
+        ["model", "method", "dtype", "layout", "batch", "args GiB", "temps GiB", "peak GiB",
          "all-gather GiB", "reduce-scatter GiB", "all-reduce GiB"],
-        [[r["model"], r["method"], r["dtype"], r["devices"], r["batch"], f"{r['args_gib']:.2f}",
-          f"{r['temps_gib']:.2f}", f"{r['peak_gib']:.2f}",
+        [[r["model"], r["method"], r["dtype"], r.get("layout") or f"{r['devices']} devices",
+          r["batch"], f"{r['args_gib']:.2f}", f"{r['temps_gib']:.2f}", f"{r['peak_gib']:.2f}",
           *(f"{r[f'{k}_gib']:.2f}" if r.get(f"{k}_gib", "") != "" else "" for k in KINDS[:3])]
          for r in rows])
 
@@ -377,35 +436,53 @@ def plot(rows: list[dict], path: Path) -> None:
     C.finish(fig, axes, path, "GiB per device (bf16)", ncol=2, legend_rows=2)
 
 
+LAYOUTS = ("1", "fsdp", "fsdp-batch", "tp", "fsdp-tp")
+
+
+def layouts(names: str) -> list[tuple[Mesh | None, bool]]:
+    """(mesh, a window per device) for each named layout (`LAYOUTS`); the multi-device
+    ones need 8 devices and are left out with fewer."""
+    devices = jax.devices()[:8]
+    meshes = {} if len(devices) < 8 else {
+        "fsdp": (Mesh(np.array(devices), ("fsdp",)), False),
+        "fsdp-batch": (Mesh(np.array(devices), ("fsdp",)), True),
+        "tp": (Mesh(np.array(devices), ("tp",)), False),
+        "fsdp-tp": (Mesh(np.array(devices).reshape(2, 4), ("fsdp", "tp")), False)}
+    if not meshes:
+        print("[scale] fewer than 8 devices: single-device cells only", flush=True)
+    return [(None, False) if n == "1" else meshes[n] for n in names.split(",")
+            if n == "1" or n in meshes]
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = C.parser(__doc__, rounds=False, plot=True)
     parser.add_argument("--models", default="llama-3.2-1b,llama-3-8b,llama-3-70b")
     parser.add_argument("--methods", default="full,lora,qlora-nf4,qlora-int8")
     parser.add_argument("--dtypes", default="f32,bf16")
+    parser.add_argument("--layouts", default="1,fsdp,fsdp-batch",
+                        help=f"comma-separated subset of {','.join(LAYOUTS)}")
+    parser.add_argument("--name", default="scale", help="the results' file name")
     args = parser.parse_args(argv)
     out = C.out_dir(args.out)
+    draw = plot if args.name == "scale" else None  # the plot reads the default layouts
     if args.plot_only:
-        C.replot(out, "scale", plot)
-        return C.read_csv(out / "scale.csv")
+        C.replot(out, args.name, plot)
+        return C.read_csv(out / f"{args.name}.csv")
     models = ["tiny"] if args.quick else args.models.split(",")
-    mesh = Mesh(np.array(jax.devices()[:8]), ("fsdp",)) if len(jax.devices()) >= 8 else None
-    if mesh is None:
-        print("[scale] fewer than 8 devices: single-device cells only", flush=True)
     rows = []
     for name in models:
         for method in args.methods.split(","):
             for dtype_name in args.dtypes.split(","):
-                layouts = [(None, False)] + ([(mesh, False), (mesh, True)] if mesh else [])
-                for m, per_device in layouts:
+                for m, per_device in layouts(args.layouts):
                     if name == "llama-3-70b" and method == "full" and m is None:
                         continue  # 70B full FT on one device: ~1.1 TiB, nothing to learn
                     row = measure(name, method, dtype_name, m, per_device)
                     rows.append(row)
-                    print(f"[scale] {name} {method} {dtype_name} x{row['devices']} "
+                    print(f"[scale] {name} {method} {dtype_name} {row['layout']} "
                           f"{row['batch']}: "
                           f"args {row['args_gib']:.2f} + temps {row['temps_gib']:.2f} GiB "
                           f"({row['compile_s']:.0f} s)", flush=True)
-    C.write_results(out, "scale", rows, [markdown(rows)], plot=plot)
+    C.write_results(out, args.name, rows, [markdown(rows)], plot=draw)
     return rows
 
 

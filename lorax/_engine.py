@@ -14,6 +14,7 @@ private surface, and what breaks without it:
 | `quax._primitives._jit_quax_cache`, `_scan_quax_cache`, `_while_quax_cache` | keying quax's caches of re-traced nested bodies on lorax's per-call decisions |
 | `jax._src.core` (`set_current_trace`, `take_current_trace`, `pvary_p`) | re-entering traces; the `pvary` rule |
 | `jax._src.ad_checkpoint.remat_p` | the `checkpoint` rule |
+| `jax._src.sharding_impls.parse_flatten_op_sharding`, `GSPMDSharding._hlo_sharding` | reading the shardings XLA's partitioner hands the quantized contraction (`_rules/quant_partitioned.py`) |
 | `jax._src.lax.lax.ragged_dot_general_p` | the `ragged_dot` rule (MoE experts; optional: `None` where absent) |
 | `equinox._module._module.jtu` | `LoraWeight`'s own (fast) pytree registration, see `FastPytreeMeta` |
 
@@ -81,6 +82,7 @@ def _internals_moved(err: Exception) -> ImportError:
 try:
     from jax._src import ad_checkpoint as _ad_checkpoint
     from jax._src import core as _core
+    from jax._src import sharding_impls as _sharding_impls
     from equinox._module import _module as _eqx_module
     from quax import _trace as _quax_trace
     from quax import _primitives as _quax_primitives
@@ -96,6 +98,7 @@ try:
     _quax_primitives._jit_quax_cache, _quax_primitives._scan_quax_cache  # noqa: B018
     _quax_primitives._while_quax_cache  # noqa: B018
     _eqx_module.jtu.register_pytree_with_keys  # noqa: B018
+    _sharding_impls.parse_flatten_op_sharding  # noqa: B018
 except (ImportError, AttributeError) as _err:
     raise _internals_moved(_err) from _err
 
@@ -353,6 +356,20 @@ def decisions() -> Any:
 # The Auto mesh the call's arrays are sharded on, read at `lora()`'s boundary: inside
 # rules the avals may no longer carry it (`custom_vjp` traces, quax's re-traced bodies).
 _mesh: contextvars.ContextVar[Any] = contextvars.ContextVar("lorax_mesh", default=None)
+
+
+def mesh_spec(sharding: Any, mesh: Any, ndim: int) -> tuple | None:
+    """The mesh axes along each of `ndim` dimensions of a sharding that XLA's partitioner
+    hands a `custom_partitioning` callback (undecoded), or `None` where it is no plain
+    layout of `mesh`'s axes (a dimension split over part of an axis)."""
+    if isinstance(sharding, jax.sharding.NamedSharding):
+        spec = tuple(sharding.spec)
+    else:
+        try:
+            spec = tuple(_sharding_impls.parse_flatten_op_sharding(sharding._hlo_sharding, mesh)[0])
+        except Exception:  # noqa: BLE001 (XLA's shardings that name no whole mesh axes)
+            return None
+    return spec + (None,) * (ndim - len(spec))
 
 
 def current_mesh() -> Any:

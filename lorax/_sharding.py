@@ -155,7 +155,7 @@ def auto_mesh(x: Any) -> Any:
     return mesh
 
 
-def _manual(x: Any) -> bool:
+def manual(x: Any) -> bool:
     """`x` is traced inside a `shard_map` body (its mesh has Manual axes)."""
     mesh = _mesh_of(x)
     manual = getattr(getattr(jax.sharding, "AxisType", None), "Manual", None)
@@ -172,6 +172,37 @@ def call_mesh(leaves: Any) -> Any:
     return None
 
 
+def _entry(axes: tuple) -> Any:
+    return None if not axes else axes[0] if len(axes) == 1 else axes
+
+
+def split_contraction(x_spec: tuple, w_spec: tuple, xl: tuple, wl: tuple, out: tuple,
+                      out_spec: tuple | None = None) -> tuple[tuple, tuple, tuple, tuple]:
+    """Where a contraction of an activation (`x_spec`, labels `xl`) with a weight
+    (`w_spec`, labels `wl`) into `out` runs, per mesh axis: `(x_spec, w_spec,
+    out_spec, reduce_axes)`. `out_spec`: the output's layout as propagation chose it,
+    if known.
+
+    A mesh axis on one of the activation's own axes (labels the weight lacks: batch,
+    tokens), in the activation or in the output, is gathered out of the weight (FSDP);
+    the activation takes the output's layout on those axes where it has one. The weight
+    keeps its other axes (tensor parallelism); the activation follows the weight's layout
+    on the axes they share; a weight axis left split along a summed label leaves partial
+    sums, reduced over `reduce_axes` (row-parallel).
+    """
+    given = dict(zip(out, out_spec or (None,) * len(out)))
+    own = {l: _mesh_axes(given.get(l)) or _mesh_axes(e) for l, e in zip(xl, x_spec) if l not in wl}
+    act = {a for axes in own.values() for a in axes}
+    kept = {l: tuple(a for a in _mesh_axes(e) if a not in act) for l, e in zip(wl, w_spec)}
+    used = {a for axes in kept.values() for a in axes}
+    x_kept = {l: kept[l] if l in wl else tuple(a for a in own[l] if a not in used) for l in xl}
+    where = {**x_kept, **kept}
+    summed = [l for l in dict.fromkeys((*xl, *wl)) if l not in out]
+    reduce = tuple(dict.fromkeys(a for l in summed for a in where[l]))
+    return (tuple(_entry(x_kept[l]) for l in xl), tuple(_entry(kept[l]) for l in wl),
+            tuple(_entry(where[l]) for l in out), reduce)
+
+
 def gathered(x: Any, mesh: Any) -> Any:
     """`x`, whole on every device of `mesh` (an `auto_mesh`; `None`: `x` as it is).
 
@@ -182,7 +213,7 @@ def gathered(x: Any, mesh: Any) -> Any:
     onto them. The mesh is read where the weight enters a rule and carried in, since
     `custom_vjp` traces its body on avals without one.
     """
-    if mesh is None or _manual(x):
+    if mesh is None or manual(x):
         return x
     # Gathering a flattened view keeps the all-gather on this slice. A plain constraint
     # lets sharding propagation move the gather up to the scan's per-layer slice, still

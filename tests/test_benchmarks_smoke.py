@@ -262,3 +262,19 @@ def test_accelerator_trace_summary_reads_the_gpu_streams_only():
     assert s["device_events"] == "gpu streams" and s["busy_ms"] == 5.0
     assert s["by_kind_ms"] == {"matmul": 4.0, "attention": 0.5, "copy": 0.25, "other": 0.25}
     assert s["longest_ms"][0] == ["nvjet_sm90_tst_128x128_NNT", 3.0]
+
+
+def test_scale_quick_tensor_parallel(tmp_path):
+    """Compile-only, tiny Llama in Megatron's layout with FSDP over a 2 x 4 mesh: QLoRA's
+    step gathers less than the dense LoRA step and holds less per device."""
+    from benchmarks import scale
+
+    if jax.device_count() < 8:
+        pytest.skip("needs 8 devices")
+    rows = scale.main(["--quick", "--methods", "lora,qlora-nf4", "--dtypes", "f32",
+                       "--layouts", "fsdp-tp", "--name", "scale_tp", "--out", str(tmp_path)])
+    dense, nf4 = rows
+    assert nf4["layout"] == "FSDP 2 x TP 4" and nf4["batch"] == "2x64"
+    assert 0 < nf4["all-gather_gib"] < dense["all-gather_gib"]
+    assert nf4["args_gib"] < dense["args_gib"]
+    assert "FSDP 2 x TP 4" in (tmp_path / "scale_tp.md").read_text()

@@ -160,8 +160,10 @@ def test_fsdp_qlora_gathers_codes_not_dequantized_weights(mesh, monkeypatch):
     assert any(dtype == "u8" for dtype, _ in gathered)  # the codes are what moves
     ratio = sum(b for _, b in gathered) / dense
     assert ratio <= 0.2, ratio
-    # The negative control: dequantize where the shards are, let XLA move the values.
+    # The negative control: dequantize where the shards are, as a plain dot, and let XLA
+    # move the values.
     monkeypatch.setattr(quant_rules, "gathered", lambda x, mesh: x)
+    monkeypatch.setattr(quant_rules, "_partitioned", lambda plan, x: False)
     jax.clear_caches()  # lorax's jitted rule bodies were traced with the constraint
     control = _gathers(mesh, "nf4")
     assert max(b for dtype, b in control if dtype == "f32") >= shard_set * 4
@@ -180,9 +182,11 @@ def test_fsdp_qlora_gathers_each_layer_without_relaying_out_the_stack(mesh, monk
     x = jax.ShapeDtypeStruct((1024, D), jnp.float32, sharding=NamedSharding(mesh, P("fsdp")))
     step, args = _step(_lora_params(_sharded(mesh), "nf4"), x)
     assert _stack_copies(step.lower(*args).compile().as_text()) == []
-    # The negative control: the same constraint without lorax's reshape.
+    # The negative control: a plain dot on codes gathered by the same constraint without
+    # lorax's reshape.
     monkeypatch.setattr(quant_rules, "gathered", lambda x, mesh: x if mesh is None else
                         jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P())))
+    monkeypatch.setattr(quant_rules, "_partitioned", lambda plan, x: False)
     jax.clear_caches()
     step, args = _step(_lora_params(_sharded(mesh), "nf4"), x)
     assert _stack_copies(step.lower(*args).compile().as_text()) != []

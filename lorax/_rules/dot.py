@@ -14,7 +14,6 @@ from jax import Array
 from jax.typing import ArrayLike
 
 from .. import _engine
-from .._sharding import gathered
 from .._weight import LoraWeight
 from ._contract import (Labels, arrange, contract, dot_labels, factor_contract, gate_rank,
                         rank_major)
@@ -72,10 +71,6 @@ def _contract_impl(w, b, a, x, x_low, gate, *, n_batch, factor_scale, lwl, xl, o
     dot_params = dict(dot_params)
     b = b.astype(w.dtype)
     a = a.astype(w.dtype)
-    if _engine.is_value(w):  # a quantized base, whose codes are gathered whole (FSDP):
-        # gather the (rank-k) factors too, or XLA may run the low-rank path split along
-        # the weight's output axis and all-gather the activations for it.
-        b, a = gathered(b, _engine.current_mesh()), gathered(a, _engine.current_mesh())
     nb = n_batch
     hits_n = any(l in xl for l in al[nb + 1 :])
     hits_m = any(l in xl for l in bl[nb:-1])

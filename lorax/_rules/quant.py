@@ -37,9 +37,10 @@ from jax.typing import ArrayLike
 from .. import _engine
 from .._quant import _formats as F
 from .._quant._array import QuantizedArray
-from .._sharding import gathered
+from .._sharding import gathered, manual
 from ._contract import arrange, contract, dot_labels
 from .gather import _drop_whole_columns
+from .quant_partitioned import quantized_contraction
 
 _INT_OF_WIDTH = {1: jnp.int8, 2: jnp.int16, 4: jnp.int32, 8: jnp.int64}
 
@@ -110,6 +111,12 @@ class _DotPlan:
     x_dtype: Any
     params: tuple
 
+    def transposed(self, dy: Array) -> "_DotPlan":
+        """The plan of `x`'s cotangent: `dy` (labels `out`) contracted with the weight."""
+        params = tuple((k, v) for k, v in self.params if k != "preferred_element_type")
+        return dataclasses.replace(self, xl=self.out, out=self.xl, x_shape=tuple(dy.shape),
+                                   x_dtype=jnp.dtype(dy.dtype), params=params)
+
     def apply(self, w: Array, x: Array) -> Array:
         params = dict(self.params)
         if self.w_first:
@@ -129,22 +136,37 @@ def _plan_storage(plan: Any, leaves: tuple, dep: Array) -> Array:
     return _dense_storage(plan.meta, leaves, dep if getattr(plan, "tie", True) else None)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _qlinear(plan: Any, x: Array, leaves: tuple, aux: tuple = ()) -> Array:
+def _partitioned(plan: Any, x: Array) -> bool:
+    """A dot on an Auto mesh: one op that XLA partitions per mesh axis (tensor
+    parallelism keeps the codes where they are; see `quant_partitioned`)."""
+    return isinstance(plan, _DotPlan) and plan.meta.mesh is not None and not manual(x)
+
+
+def _apply(plan: Any, x: Array, leaves: tuple, aux: tuple) -> Array:
+    if _partitioned(plan, x):
+        return quantized_contraction(plan, x, leaves)
     return plan.apply(_plan_storage(plan, leaves, x), x, *aux)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _qlinear(plan: Any, x: Array, leaves: tuple, aux: tuple = ()) -> Array:
+    return _apply(plan, x, leaves, aux)
+
+
 def _qlinear_fwd(plan: Any, x: Array, leaves: tuple, aux: tuple = ()) -> tuple[Array, tuple]:
-    return plan.apply(_plan_storage(plan, leaves, x), x, *aux), (leaves, aux)
+    return _apply(plan, x, leaves, aux), (leaves, aux)
 
 
 def _qlinear_bwd(plan: Any, res: tuple, dy: Array) -> tuple[Array, Any, Any]:
     # `aux`: further operands the op is not differentiated in (a ragged_dot's group sizes).
     leaves, aux = res
+    zero = functools.partial(jax.tree_util.tree_map, _zero_cotangent)
+    if _partitioned(plan, dy):
+        dx = quantized_contraction(plan.transposed(dy), dy, leaves).astype(plan.x_dtype)
+        return dx, zero(leaves), zero(aux)
     w = _plan_storage(plan, leaves, dy)
     aval = jax.ShapeDtypeStruct(plan.x_shape, plan.x_dtype)
     (dx,) = jax.linear_transpose(lambda x: plan.apply(w, x, *aux), aval)(dy)
-    zero = functools.partial(jax.tree_util.tree_map, _zero_cotangent)
     return dx, zero(leaves), zero(aux)
 
 
