@@ -205,3 +205,14 @@ def test_shard_map_over_a_tensor_parallel_layout_sees_each_devices_codes():
 def test_split_contraction_decides_per_mesh_axis(x_spec, w_spec, expected):
     # x: (B=0, K=1); W storage: (N=2, K=1); out: (B, N)
     assert split_contraction(x_spec, w_spec, (0, 1), (2, 1), (0, 2)) == expected
+
+
+def test_a_vmap_around_lora_on_a_tensor_parallel_layout():
+    """The partitioned op has no batching rule; under `vmap` the codes are gathered whole
+    instead, with the same values."""
+    layer = jax.tree.map(lambda v: v[0], _lora_params(TP, "nf4"))
+    f = lorax.lora(lambda p, x: jax.nn.gelu(x @ p["up"]) @ p["down"], on_materialize="error")
+    xs = _x(None, (3, 16, D))
+    y = jax.jit(jax.vmap(f, in_axes=(None, 0)))(layer, xs)
+    merged = lorax.merge_params(layer)
+    assert_close(y, jax.nn.gelu(xs @ merged["up"]) @ merged["down"], rtol=1e-5, atol=1e-6)

@@ -144,8 +144,12 @@ def _partitioned(plan: Any, x: Array) -> bool:
 
 def _apply(plan: Any, x: Array, leaves: tuple, aux: tuple) -> Array:
     if _partitioned(plan, x):
-        return quantized_contraction(plan, x, leaves)
+        return quantized_contraction(plan, x, leaves, functools.partial(_gathered_apply, plan))
     return plan.apply(_plan_storage(plan, leaves, x), x, *aux)
+
+
+def _gathered_apply(plan: Any, x: Array, leaves: tuple) -> Array:
+    return plan.apply(_plan_storage(plan, leaves, x), x)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -162,7 +166,9 @@ def _qlinear_bwd(plan: Any, res: tuple, dy: Array) -> tuple[Array, Any, Any]:
     leaves, aux = res
     zero = functools.partial(jax.tree_util.tree_map, _zero_cotangent)
     if _partitioned(plan, dy):
-        dx = quantized_contraction(plan.transposed(dy), dy, leaves).astype(plan.x_dtype)
+        t = plan.transposed(dy)
+        dx = quantized_contraction(t, dy, leaves, functools.partial(_gathered_apply, t))
+        dx = dx.astype(plan.x_dtype)
         return dx, zero(leaves), zero(aux)
     w = _plan_storage(plan, leaves, dy)
     aval = jax.ShapeDtypeStruct(plan.x_shape, plan.x_dtype)

@@ -23,11 +23,13 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax import Array
+from jax.custom_batching import custom_vmap
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec
 
@@ -162,11 +164,26 @@ def _op(plan: Any, kinds: tuple[str, ...], avals: tuple) -> tuple[Any, tuple]:
 KINDS = ("codes", "scales", "mins", "scale_scales", "scale_offset")
 
 
-def quantized_contraction(plan: Any, x: Array, leaves: tuple) -> Array:
+def quantized_contraction(plan: Any, x: Array, leaves: tuple,
+                          batched: Callable[[Array, tuple], Array]) -> Array:
     """`plan.apply(W, x)` for the quantized weight of `leaves` (codes, scales, mins,
     double quantization's two; `None` where absent), partitioned per mesh axis (module
-    docstring). Every leaf crosses devices as stored: codes, not values."""
+    docstring). Every leaf crosses devices as stored: codes, not values. Under `vmap`
+    (the partitioner has no batching rule) `batched(x, leaves)` runs instead, mapped."""
     kinds = tuple(k for k, leaf in zip(KINDS, leaves) if leaf is not None)
     args = (x, *(leaf for leaf in leaves if leaf is not None))
     op, consts = _op(plan, kinds, tuple((tuple(a.shape), jnp.dtype(a.dtype)) for a in args))
-    return op(*args, *consts)
+
+    @custom_vmap
+    def run(x: Array, *present: Array) -> Array:
+        return op(x, *present, *consts)
+
+    @run.def_vmap
+    def _(size: int, in_batched: list, x: Array, *present: Array) -> tuple[Array, bool]:
+        def one(x: Array, *present: Array) -> Array:
+            it = iter(present)
+            return batched(x, tuple(None if leaf is None else next(it) for leaf in leaves))
+        axes = tuple(0 if b else None for b in in_batched)
+        return jax.vmap(one, in_axes=axes, axis_size=size)(x, *present), True
+
+    return run(*args)
