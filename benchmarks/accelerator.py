@@ -76,6 +76,7 @@ DEFAULT_CELLS = (
     "peft:llama-3-8b:1:compiled:on", "peft:llama-3-8b:1:compiled:off",
     "peft:llama-3-8b:4:eager:off",
 )
+# Each method family, remat choice and attention path at least once (CI's smoke run).
 QUICK_CELLS = ("tiny:lora:1:layer:auto", "tiny:qlora-nf4:1:none:auto", "tiny:hand:1:dots:auto",
                "tiny:full:1:layer:xla", "peft:tiny:1:eager:off")
 
