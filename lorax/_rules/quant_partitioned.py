@@ -100,17 +100,13 @@ def _specs(mesh: Any, shapes: Any) -> list[tuple]:
     return specs
 
 
-def _axes(entry: Any) -> tuple:
-    return () if entry is None else entry if isinstance(entry, tuple) else (entry,)
-
-
 def _where(mesh: Any, w_spec: tuple, local: tuple) -> tuple:
     """This device's first row and block of the absmax codes (`local`: their local
     shape) and the blocks in all, inside a partitioned body."""
     def start(entry: Any, size: int) -> Any:
-        axes = _axes(entry)
+        axes = _sharding._mesh_axes(entry)
         return jax.lax.axis_index(axes) * size if axes else 0
-    ways = math.prod(mesh.shape[a] for a in _axes(w_spec[-1]))
+    ways = math.prod(mesh.shape[a] for a in _sharding._mesh_axes(w_spec[-1]))
     return start(w_spec[-2], local[-2]), start(w_spec[-1], local[-1]), local[-1] * ways
 
 
