@@ -221,7 +221,7 @@ def placed(tree: Any, mesh: Mesh | None) -> Any:
 COLUMN, ROW = ("q", "k", "v", "gate", "up"), ("o", "down")  # split along `out`, along `in`
 
 
-def _tp_spec(path: str, ndim: int, mesh: Mesh) -> P:
+def _tp_spec(path: str, mesh: Mesh) -> P:
     """Column-parallel q/k/v/gate/up, row-parallel o/down over `tp`; the other weight axis
     (and the embedding's `dim`) over `fsdp` where the mesh has it; norms replicated."""
     fsdp = "fsdp" if "fsdp" in mesh.axis_names else None
@@ -234,7 +234,7 @@ def _tp_spec(path: str, ndim: int, mesh: Mesh) -> P:
 
 
 def _tp_place(path: Any, x: Any, mesh: Mesh) -> Any:
-    spec = _tp_spec(jax.tree_util.keystr(path), x.ndim, mesh)
+    spec = _tp_spec(jax.tree_util.keystr(path), mesh)
     if isinstance(x, lorax.LoraWeight):
         a_spec, b_spec = factor_specs(spec, x.ndim, x.structure[0], x.axes.m)
         sds = lambda y, s: jax.ShapeDtypeStruct(y.shape, y.dtype, sharding=NamedSharding(mesh, s))  # noqa: E731

@@ -158,8 +158,8 @@ def auto_mesh(x: Any) -> Any:
 def manual(x: Any) -> bool:
     """`x` is traced inside a `shard_map` body (its mesh has Manual axes)."""
     mesh = _mesh_of(x)
-    manual = getattr(getattr(jax.sharding, "AxisType", None), "Manual", None)
-    return manual is not None and any(t == manual for t in getattr(mesh, "axis_types", ()))
+    kind = getattr(getattr(jax.sharding, "AxisType", None), "Manual", None)
+    return kind is not None and any(t == kind for t in getattr(mesh, "axis_types", ()))
 
 
 def call_mesh(leaves: Any) -> Any:
