@@ -22,6 +22,7 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 import lorax
@@ -45,24 +46,46 @@ def _fill(sds: Any, key: Any, scale: bool) -> Any:
     return (0.02 * jax.random.normal(key, sds.shape)).astype(dt)
 
 
-def materialise(abstract: Any, seed: int = 0) -> Any:
+def _host_fill(sds: Any, seed: int, scale: bool) -> Any:
+    """`_fill`'s kind of values made by NumPy, put in the device's host memory: a frozen
+    stack is never whole on the device, not even while it is made."""
+    rng, dt = np.random.default_rng(seed), jnp.dtype(sds.dtype)
+    if jnp.issubdtype(dt, jnp.integer):
+        x = np.frombuffer(rng.bytes(int(np.prod(sds.shape)) * dt.itemsize), dt).reshape(sds.shape)
+    elif scale:
+        x = (1e-3 * (1 + rng.random(sds.shape, np.float32))).astype(dt)
+    else:
+        x = (0.02 * rng.standard_normal(sds.shape, np.float32)).astype(dt)
+    host = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host")
+    return jax.device_put(x, host)
+
+
+def materialise(abstract: Any, seed: int = 0, frozen_on_host: bool = False) -> Any:
     """Random arrays of an abstract tree, made on the device by one jitted function
-    (`QuantizedArray` leaves as codes and scales, so no dense weight is made for them)."""
+    (`QuantizedArray` leaves as codes and scales, so no dense weight is made for them).
+    `frozen_on_host`: each `LoraWeight`'s `w` and each bare `QuantizedArray` made in host
+    memory instead (what `lorax.offload_frozen` would have put there)."""
     is_q = lambda x: isinstance(x, lorax.QuantizedArray)  # noqa: E731
+    paths, treedef = jax.tree_util.tree_flatten_with_path(abstract, is_leaf=is_q)
+    on_host = [frozen_on_host and (is_q(node) or any(getattr(k, "name", None) == "w" for k in path))
+               for path, node in paths]
 
-    def make() -> Any:
-        key, out = jax.random.PRNGKey(seed), []
-        for i, node in enumerate(jax.tree.leaves(abstract, is_leaf=is_q)):
-            k = jax.random.fold_in(key, i)
-            if is_q(node):
-                leaves, treedef = jax.tree.flatten(node)
-                out.append(jax.tree.unflatten(treedef, [
-                    _fill(s, jax.random.fold_in(k, j), True) for j, s in enumerate(leaves)]))
-            else:
-                out.append(_fill(node, k, False))
-        return jax.tree.unflatten(jax.tree.structure(abstract, is_leaf=is_q), out)
+    def values(i: int, node: Any, fill: Callable) -> Any:
+        leaves, tree = jax.tree.flatten(node)  # a QuantizedArray's codes and scales
+        return jax.tree.unflatten(tree, [fill(s, (i, j), is_q(node)) for j, s in enumerate(leaves)])
 
-    return jax.jit(make)()
+    def make() -> list:
+        key = jax.random.PRNGKey(seed)
+        fill = lambda s, ij, scale: _fill(  # noqa: E731
+            s, jax.random.fold_in(jax.random.fold_in(key, ij[0]), ij[1]), scale)
+        return [None if host else values(i, node, fill)
+                for i, ((_, node), host) in enumerate(zip(paths, on_host))]
+
+    out = jax.jit(make)()
+    host_fill = lambda s, ij, scale: _host_fill(s, (seed, *ij), scale)  # noqa: E731
+    out = [values(i, node, host_fill) if host else x
+           for i, ((_, node), host, x) in enumerate(zip(paths, on_host, out))]
+    return jax.tree_util.tree_unflatten(treedef, out)
 
 
 # -- the methods -------------------------------------------------------------------------------
@@ -103,8 +126,9 @@ def setup(cfg: Any, method: str) -> tuple[Any, Any, Callable]:
         def hand_loss(t: Any, f: Any, w: Any) -> Any:
             return S.LLAMA.loss(cfg, dict(f, layers=dict(f["layers"], **t["layers"])), w)
         return {"layers": factors}, dense, hand_loss
-    abstract, spec = S.build(cfg, method, DTYPE)
-    trainable, frozen = lorax.partition(materialise(abstract), spec)
+    abstract, spec = S.build(cfg, method.removesuffix("+host"), DTYPE)
+    params = materialise(abstract, frozen_on_host=method.endswith("+host"))
+    trainable, frozen = lorax.partition(params, spec)
     apply = lorax.lora(lambda p, w: S.LLAMA.loss(cfg, p, w), on_materialize="allow")
     return trainable, frozen, lambda t, f, w: apply(lorax.combine(t, f), w)
 
@@ -122,7 +146,9 @@ def compiled_step(cell: Cell) -> tuple[Any, tuple, dict]:
     windows = jax.random.randint(jax.random.PRNGKey(2), (cell.batch, seq + 1), 0, cfg.vocab)
     jax.block_until_ready((trainable, frozen, state, windows))
     facts = dict(setup_s=time.perf_counter() - t0, resident_gib=_in_use() / GiB,
-                 frozen_gib=_nbytes(frozen) / GiB, trainable_gib=_nbytes(trainable) / GiB)
+                 frozen_gib=_nbytes(frozen) / GiB, trainable_gib=_nbytes(trainable) / GiB,
+                 host_gib=sum(x.nbytes for x in jax.tree.leaves(frozen)
+                              if x.sharding.memory_kind == "pinned_host") / GiB)
 
     def step(trainable: Any, frozen: Any, opt_state: Any, windows: Any) -> tuple:
         value, grads = jax.value_and_grad(lambda t: loss(t, frozen, windows))(trainable)

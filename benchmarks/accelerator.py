@@ -11,7 +11,9 @@ random codes and small positive scales: nothing dense is made first). A cell is
 
 - METHOD: `lora` (dense frozen base), `qlora-nf4` (double-quantized), `qlora-int8`,
   `qlora-q4_k` (GGUF's blocks), `hand` (LoRA written by hand into the same model code),
-  `full` (every weight trained, bf16 Adam moments);
+  `full` (every weight trained, bf16 Adam moments); `+host` after a `lora`/`qlora`
+  method (`qlora-nf4+host`): its frozen weights in host memory (`lorax.offload_frozen`,
+  made there, never whole on the device), each layer's moved in when it is read;
 - BATCH: windows of the model's 2048 tokens per step;
 - REMAT: `llama.Config.remat` (`layer`, `dots`, `none`);
 - ATTENTION: `llama.Config.attention` (`auto`: cuDNN's fused attention on a GPU).
@@ -71,6 +73,8 @@ DEFAULT_CELLS = (
     "llama-3-8b:full:1:layer:auto",
     "llama-3-8b:lora:4:none:auto", "llama-3-8b:lora:4:dots:auto",
     "llama-3-70b:qlora-nf4:1:layer:auto",
+    "llama-3-8b:qlora-nf4+host:1:layer:auto", "llama-3-70b:qlora-nf4+host:1:layer:auto",
+    "llama-3-8b:qlora-nf4+host:1:offload:auto",
     "llama-3.2-1b:lora:1:none:auto", "llama-3.2-1b:qlora-nf4:1:layer:auto",
     "peft:llama-3-8b:1:eager:on", "peft:llama-3-8b:1:eager:off",
     "peft:llama-3-8b:1:compiled:on", "peft:llama-3-8b:1:compiled:off",
@@ -78,7 +82,7 @@ DEFAULT_CELLS = (
 )
 # Each method family, remat choice and attention path at least once (CI's smoke run).
 QUICK_CELLS = ("tiny:lora:1:layer:auto", "tiny:qlora-nf4:1:none:auto", "tiny:hand:1:dots:auto",
-               "tiny:full:1:layer:xla", "peft:tiny:1:eager:off")
+               "tiny:full:1:layer:xla", "tiny:qlora-nf4+host:1:none:auto", "peft:tiny:1:eager:off")
 
 
 class Cell(NamedTuple):
@@ -91,9 +95,11 @@ class Cell(NamedTuple):
     @classmethod
     def parse(cls, text: str) -> "Cell":
         parts = text.split(":")
-        if len(parts) != 5 or parts[1] not in METHODS:
+        base = parts[1].removesuffix("+host") if len(parts) == 5 else ""
+        host_ok = base == parts[1] or base.startswith(("lora", "qlora"))
+        if len(parts) != 5 or base not in METHODS or not host_ok:
             raise ValueError(f"cell {text!r}: expected MODEL:METHOD:BATCH:REMAT:ATTENTION with "
-                             f"METHOD one of {METHODS}")
+                             f"METHOD one of {METHODS} (`+host` after a lora or qlora one)")
         return cls(parts[0], parts[1], int(parts[2]), parts[3], parts[4])
 
     def __str__(self) -> str:
@@ -208,7 +214,8 @@ def with_rates(row: dict[str, Any], ceiling: dict[str, Any]) -> dict[str, Any]:
 def with_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """`vs_peft`: tokens/s over the fastest PyTorch + PEFT cell of the same model and batch;
     `vs_lora` (QLoRA, hand-written): step time over dense lorax LoRA's, same remat and
-    attention; `vs_hand` (lorax LoRA): over hand-written LoRA's."""
+    attention; `vs_hand` (lorax LoRA): over hand-written LoRA's; `vs_device` (a `+host`
+    method): over the same method's with every weight on the device."""
     ok = [r for r in rows if "tokens_per_s" in r]
     for r in ok:
         key = (r["model"], r["batch"])
@@ -218,10 +225,14 @@ def with_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             r["vs_peft"] = r["tokens_per_s"] / max(peft)
         same = lambda m: next((p["step_s"] for p in ok if p["method"] == m and (  # noqa: E731
             p["model"], p["batch"], p["remat"], p["attention"]) == (*key, r["remat"], r["attention"])), None)
-        ref = same("lora") if r["method"].startswith("qlora") or r["method"] == "hand" else (
-            same("hand") if r["method"] == "lora" else None)
+        if r["method"].endswith("+host"):
+            name, ref = "vs_device", same(r["method"].removesuffix("+host"))
+        else:
+            name = "vs_lora" if r["method"] != "lora" else "vs_hand"
+            ref = same("lora") if r["method"].startswith("qlora") or r["method"] == "hand" else (
+                same("hand") if r["method"] == "lora" else None)
         if ref:
-            r["vs_lora" if r["method"] != "lora" else "vs_hand"] = r["step_s"] / ref
+            r[name] = r["step_s"] / ref
     return rows
 
 
@@ -233,7 +244,8 @@ def markdown(rows: list[dict[str, Any]]) -> list[str]:
         [[r["model"], f"{r['batch']}x{r.get('seq', '')}", r["method"], r.get("remat", ""),
           _attention(r), f(r, "step_s", ".3f"), f(r, "tokens_per_s", ",.0f"),
           f(r, "mfu_datasheet", ".1%") or f(r, "mfu", ".1%"), f(r, "vs_peft", ".2f"),
-          f(r, "vs_lora", ".3f") or f(r, "vs_hand", ".3f"), f(r, "peak_gib", ".2f"),
+          f(r, "vs_lora", ".3f") or f(r, "vs_hand", ".3f") or f(r, "vs_device", ".3f"),
+          f(r, "peak_gib", ".2f"),
           f(r, "xla_peak_gib", ".2f"), f(r, "compile_s", ".0f")]
          if not r.get("error") else [r.get("cell", "?"), "", "", "", "",
                                      "error: " + str(r["error"])[:200], *[""] * 7] for r in rows])
@@ -244,8 +256,10 @@ def markdown(rows: list[dict[str, Any]]) -> list[str]:
                else "the bf16 matrix rate measured on the same device in the same run")
             + (f"; the rate measured in the same run ({statistics.median(rates):.0f} TFLOP/s, "
                "8192-cube bf16 products) is in the CSV's `mfu` column." if rates else ".")
-            + " *vs dense / hand*: step time over dense lorax LoRA's (QLoRA, hand-written) or "
-            "over hand-written LoRA's (lorax LoRA), same batch, remat and attention."]
+            + " *vs dense / hand*: step time over dense lorax LoRA's (QLoRA, hand-written), "
+            "over hand-written LoRA's (lorax LoRA), or over the same method's with every weight "
+            "on the device (`+host`: frozen weights in host memory), same batch, remat and "
+            "attention."]
 
 
 def _attention(r: dict[str, Any]) -> str:

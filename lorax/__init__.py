@@ -16,6 +16,7 @@ from ._init import init_lora as init_lora
 from ._layout import infer_layout as infer_layout
 from ._optim import wrap_optimizer as wrap_optimizer
 from ._quant import QuantizedArray as QuantizedArray, quantize as quantize
+from ._placement import offload_frozen as offload_frozen
 from ._params import (
     combine as combine,
     merge_params as merge_params,
@@ -71,6 +72,7 @@ __all__ = [
     "loraplus",
     "merge_params",
     "mixed_batch",
+    "offload_frozen",
     "partition",
     "quantize",
     "save_adapter",

@@ -11,7 +11,8 @@ private surface, and what breaks without it:
 |---|---|
 | `quax._trace._QuaxTrace`, `_QuaxTracer` | custom_vjp / custom_jvp / shard_map handling quax lacks |
 | `quax._values._DenseArrayValue`, `_dense` | wrapping plain arrays on a quax trace |
-| `quax._primitives._jit_quax_cache`, `_scan_quax_cache`, `_while_quax_cache` | keying quax's caches of re-traced nested bodies on lorax's per-call decisions |
+| `quax._primitives._jit_quax_cache`, `_while_quax_cache` | keying quax's caches of re-traced nested bodies on lorax's per-call decisions |
+| `quax._compat.unpack_scan_args`, `scan_bind_params`, `quax._primitives._check_carry_stable` | lorax's own `scan` rule, which keeps each slice's memory space (host offload) |
 | `jax._src.core` (`set_current_trace`, `take_current_trace`, `pvary_p`) | re-entering traces; the `pvary` rule |
 | `jax._src.ad_checkpoint.remat_p` | the `checkpoint` rule |
 | `jax._src.sharding_impls.parse_flatten_op_sharding`, `GSPMDSharding._hlo_sharding` | reading the shardings XLA's partitioner hands the quantized contraction (`_rules/quant_partitioned.py`) |
@@ -32,6 +33,7 @@ import functools
 import operator
 import re
 import warnings
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from importlib import metadata as _metadata
 from typing import Any, Literal
@@ -85,6 +87,7 @@ try:
     from jax._src import sharding_impls as _sharding_impls
     from equinox._module import _module as _eqx_module
     from quax import _trace as _quax_trace
+    from quax import _compat as _quax_compat
     from quax import _primitives as _quax_primitives
     from quax._values import _DenseArrayValue, _dense
 
@@ -95,8 +98,9 @@ try:
     _core.set_current_trace, _core.take_current_trace  # noqa: B018
     _quax_trace._QuaxTrace, _quax_trace._QuaxTracer  # noqa: B018
     _quax_trace._QuaxTrace.process_custom_jvp_call  # noqa: B018
-    _quax_primitives._jit_quax_cache, _quax_primitives._scan_quax_cache  # noqa: B018
-    _quax_primitives._while_quax_cache  # noqa: B018
+    _quax_primitives._jit_quax_cache  # noqa: B018
+    _quax_primitives._while_quax_cache, _quax_primitives._check_carry_stable  # noqa: B018
+    _quax_compat.unpack_scan_args, _quax_compat.scan_bind_params  # noqa: B018
     _eqx_module.jtu.register_pytree_with_keys  # noqa: B018
     _sharding_impls.parse_flatten_op_sharding  # noqa: B018
 except (ImportError, AttributeError) as _err:
@@ -425,7 +429,7 @@ class _DecisionKeyedCache:
         self._by_decision.clear()
 
 
-for _name in ("_jit_quax_cache", "_scan_quax_cache", "_while_quax_cache"):
+for _name in ("_jit_quax_cache", "_while_quax_cache"):
     if not isinstance(getattr(_quax_primitives, _name), _DecisionKeyedCache):
         setattr(_quax_primitives, _name, _DecisionKeyedCache(getattr(_quax_primitives, _name)))
 
@@ -606,3 +610,58 @@ def _process_shard_map(self: Any, prim: Any, fun: Callable[..., Any],
 
 
 _quax_trace._QuaxTrace.process_shard_map = _process_shard_map
+
+
+# -- scan: bodies traced on slices that keep their memory space --------------------------
+#
+# quax re-traces a `scan` body against `ShapeDtypeStruct` slices of the stacked operands,
+# which carry no memory space: a stack held in host memory (`memory_kind="pinned_host"`)
+# reaches the rules as device memory, and their move to the device
+# (`_placement.on_device`) would be a no-op while the loop reads host memory. This rule
+# is quax's with slices typed as what `lax.scan` hands its body, memory space included.
+
+_scan_cache = _DecisionKeyedCache({})
+
+
+def _slice_aval(x: Any) -> Any:
+    aval = jax.typeof(x)
+    return jax.core.ShapedArray(tuple(x.shape[1:]), x.dtype,
+                                memory_space=getattr(aval, "memory_space", None)
+                                or jax.memory.Space.Device)
+
+
+def _memory_spaces(leaves: Sequence[Any]) -> tuple:
+    return tuple(getattr(jax.typeof(x), "memory_space", None) for x in leaves)
+
+
+@register(jax.lax.scan_p, precedence=1)
+def _scan(*args: ArrayValue | ArrayLike, jaxpr: Any, **params: Any) -> Any:
+    consts, carry, xs = _quax_compat.unpack_scan_args(args, params)
+    flat = [jax.tree_util.tree_flatten(group) for group in (consts, carry, xs)]
+    (c_flat, c_tree), (v_flat, v_tree), (x_flat, x_tree) = flat
+    nc, nv = len(c_flat), len(v_flat)
+    key = (id(jaxpr), c_tree, v_tree, x_tree, _memory_spaces([*c_flat, *v_flat, *x_flat]))
+    entry = _scan_cache.get(key)
+    if entry is None or entry[0]() is not jaxpr:  # (a collected jaxpr's id, reused)
+        fn = jexc.jaxpr_as_fun(jaxpr)
+
+        def body(*leaves: Any) -> Any:
+            c = jax.tree_util.tree_unflatten(c_tree, leaves[:nc])
+            v = jax.tree_util.tree_unflatten(v_tree, leaves[nc:nc + nv])
+            x = jax.tree_util.tree_unflatten(x_tree, leaves[nc + nv:])
+            out = quax.quaxify(fn)(*c, *v, *x)
+            _quax_primitives._check_carry_stable(v, out[:len(v)], "lax.scan")
+            return out
+
+        traced, out_shape = jax.make_jaxpr(body, return_shape=True)(
+            *c_flat, *v_flat, *map(_slice_aval, x_flat))
+        # Weakly keyed, as quax's cache: the entry goes with the body's jaxpr.
+        ref = weakref.ref(jaxpr, lambda _, key=key: _scan_cache.pop(key, None))
+        entry = (ref, traced, jax.tree_util.tree_structure(out_shape))
+        _scan_cache[key] = entry
+    _, traced, out_tree = entry
+    out = jax.lax.scan_p.bind(
+        *c_flat, *v_flat, *x_flat, jaxpr=traced,
+        **_quax_compat.scan_bind_params(params, num_consts=nc, num_carry=nv,
+                                        num_xs=len(x_flat), num_ys=len(traced.out_avals) - nv))
+    return jax.tree_util.tree_unflatten(out_tree, out)

@@ -13,6 +13,7 @@ from jax import Array, lax
 from jax.typing import ArrayLike
 
 from . import _engine
+from ._placement import on_device
 from ._sharding import weight_aval
 
 
@@ -298,5 +299,5 @@ def unchecked_replace(lw: LoraWeight, **fields: Any) -> LoraWeight:
 
 
 def _dense(w: Any) -> Any:
-    """`w` as a plain array: a quantized `w` is dequantized."""
-    return w.materialise() if _engine.is_value(w) else w
+    """`w` as a plain array in device memory: a quantized `w` is dequantized."""
+    return w.materialise() if _engine.is_value(w) else on_device(w)

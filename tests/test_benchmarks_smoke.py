@@ -164,6 +164,19 @@ def test_adapters_quick(tmp_path):
     assert "together / separate" in (tmp_path / "adapters.md").read_text()
 
 
+def test_offload_quick(tmp_path):
+    """The tiny Llama's QLoRA step exported for `cuda`, on the device and in host memory:
+    the same bytes of arguments, moved into loop bodies only when offloaded."""
+    from benchmarks import offload
+
+    on_device, host = offload.main(["--quick", "--out", str(tmp_path)])
+    assert (tmp_path / "offload.csv").exists() and "| tiny | host |" in (tmp_path / "offload.md").read_text()
+    assert on_device["moves_in_loops"] == on_device["host_args_gib"] == 0
+    assert host["host_args_gib"] > 0 and host["moves_in_loops"] > 0
+    total = lambda r: r["host_args_gib"] + r["device_args_gib"]  # noqa: E731
+    assert abs(total(host) - total(on_device)) < 1e-9
+
+
 # The dense-LoRA cells ask nothing the QLoRA ones do not, at three more compiles: slow.
 @pytest.mark.parametrize("method", ["qlora-nf4", pytest.param("lora", marks=pytest.mark.slow)])
 def test_scale_quick(tmp_path, method):
@@ -201,6 +214,13 @@ def test_accelerator_quick(tmp_path):
         assert r["model_tflops"] > 0  # no matrix rate measured in a --quick run: no MFU
         if not r["cell"].startswith("peft:"):
             assert r["xla_args_gib"] > 0 and r["attention_used"] in ("chunked", "xla")
+    # The frozen codes made in host memory, and the step compared with the on-device one.
+    host = next(r for r in rows if r["method"] == "qlora-nf4+host")
+    on_device = next(r for r in rows if r["cell"] == "tiny:qlora-nf4:1:none:auto")
+    # (All of the frozen bytes but the norms, which stay on the device.)
+    assert 0.99 * host["frozen_gib"] < host["host_gib"] < host["frozen_gib"]
+    assert on_device["host_gib"] == 0
+    assert host["vs_device"] == host["step_s"] / on_device["step_s"]
     traces = (tmp_path / "accelerator_traces.json").read_text()
     assert "tiny:lora:1:layer:auto" in traces and "busy_ms" in traces
     md = (tmp_path / "accelerator.md").read_text()

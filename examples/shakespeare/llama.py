@@ -21,6 +21,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 
 
 class Config(NamedTuple):
@@ -140,18 +141,27 @@ def block(cfg: Config, x, layer):
     return x + (jax.nn.silu(h @ layer["gate"]) * (h @ layer["up"])) @ layer["down"]
 
 
-REMAT = ("layer", "dots", "none")
+REMAT = ("layer", "dots", "none", "offload")
 
 
 def remat(cfg, layer_fn):
     """`layer_fn` under `cfg.remat`, the memory/compute trade of the backward pass:
-    `"layer"` keeps each layer's input and recomputes the rest (the least memory),
+    `"layer"` keeps each layer's input and recomputes the rest (the least device memory),
     `"dots"` also keeps the matrix products' outputs (recomputes only the cheap
-    elementwise work), `"none"` keeps everything (no recomputation, the most memory)."""
+    elementwise work), `"none"` keeps everything (no recomputation, the most memory),
+    `"offload"` is `"layer"` with each kept input in host memory (moved out in the
+    forward pass, back in the backward pass: for long sequences, where the kept inputs
+    fill the device)."""
     if cfg.remat not in REMAT:
         raise ValueError(f"remat {cfg.remat!r}: expected one of {REMAT}")
     if cfg.remat == "none":
         return layer_fn
+    if cfg.remat == "offload":
+        policy = jax.checkpoint_policies.save_and_offload_only_these_names(
+            names_which_can_be_saved=[], names_which_can_be_offloaded=["layer_input"],
+            offload_src="device", offload_dst="pinned_host")
+        named = lambda x, *rest: layer_fn(checkpoint_name(x, "layer_input"), *rest)  # noqa: E731
+        return jax.checkpoint(named, policy=policy)
     policy = (jax.checkpoint_policies.dots_with_no_batch_dims_saveable if cfg.remat == "dots"
               else None)
     return jax.checkpoint(layer_fn, policy=policy)

@@ -14,6 +14,7 @@ from jax import Array, lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from .. import _engine
+from .._placement import on_device
 from .._sharding import weight_aval
 from . import _formats as F
 
@@ -237,10 +238,12 @@ class QuantizedArray(_engine.ArrayValue, metaclass=_engine.FastPytreeMeta):
 
     def dequantize_storage(self) -> Array:
         """The dense value with the block axis last (`storage_shape`), in `dense_dtype`."""
-        scales = self.scales
-        if self.scale_scales is not None:
-            scales = F.double_dequantize(scales, self.scale_scales, self.scale_offset)
-        w = F.dequantize_blocks(self.format, self.codes, scales, self.mins)
+        # Host-resident leaves (`lorax.offload_frozen`) are read in device memory.
+        codes, scales, mins, ss, so = map(on_device, (self.codes, self.scales, self.mins,
+                                                      self.scale_scales, self.scale_offset))
+        if ss is not None:
+            scales = F.double_dequantize(scales, ss, so)
+        w = F.dequantize_blocks(self.format, codes, scales, mins)
         return w.astype(self.dense_dtype)
 
     def dequantize(self, dtype: Any = None) -> Array:

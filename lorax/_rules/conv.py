@@ -17,6 +17,7 @@ from jax import lax
 from jax.typing import ArrayLike
 
 from .. import _engine
+from .._placement import read_frozen
 from .._weight import LoraWeight
 from .dot import scale
 
@@ -56,7 +57,8 @@ def lora_conv(lhs: Any, rhs: LoraWeight, lhs_low: Any, dn: lax.ConvDimensionNumb
                 x, kernel, dimension_numbers=dn, feature_group_count=1,
                 batch_group_count=1, **p,
             )
-            base = _engine.call(conv, lhs, w, **params)  # `w` is frozen already (see `lora`)
+            # `w` is frozen already (see `lora`); a host-resident one is read on the device.
+            base = read_frozen(lambda w, x: _engine.call(conv, x, w, **params), w, lhs)
             t = conv(lhs if lhs_low is None else lhs_low, f_in.astype(w.dtype), **params)
             t = scale(t, rhs.scale)
             if gate is not None:  # the rank is t's feature axis

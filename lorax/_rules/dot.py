@@ -14,6 +14,7 @@ from jax import Array
 from jax.typing import ArrayLike
 
 from .. import _engine
+from .._placement import read_frozen
 from .._weight import LoraWeight
 from ._contract import (Labels, arrange, contract, dot_labels, factor_contract, gate_rank,
                         rank_major)
@@ -86,7 +87,14 @@ def _contract_impl(w, b, a, x, x_low, gate, *, n_batch, factor_scale, lwl, xl, o
             return _engine.call(contract, p, pl, q, ql, keep, **params)
         return _engine.call(contract, q, ql, p, pl, keep, **params)
 
-    base, base_l = dot(w, lwl, x, xl, out, **dot_params)
+    base_l = []
+
+    def base_product(w: Array, x: Array) -> Array:
+        y, yl = dot(w, lwl, x, xl, out, **dot_params)
+        base_l[:] = yl
+        return y
+
+    base = read_frozen(base_product, w, x)  # a host-resident `w` is read on the device
     low_params = {k: v for k, v in dot_params.items() if k != "out_sharding"}
     rank_l = next(l for l in f1l if l in f2l and l not in lwl)
     rows = math.prod(d for d, l in zip(x.shape, xl) if l not in f1l)
@@ -94,7 +102,7 @@ def _contract_impl(w, b, a, x, x_low, gate, *, n_batch, factor_scale, lwl, xl, o
     t, tl = dot(f1, f1l, x if x_low is None else x_low, xl, {*out, *f2l}, **low_params)
     t = gate_rank(scale(t, factor_scale), tl, gate, (*lwl[:nb], rank_l))
     y, yl = factor_contract(t, tl, f2, f2l, out, not lora_first, **low_params)
-    return arrange(base, base_l, out) + arrange(y, yl, out)
+    return arrange(base, tuple(base_l), out) + arrange(y, yl, out)
 
 
 # Traced once per distinct (shapes, labels, parameters), like a `jnp` function: a model

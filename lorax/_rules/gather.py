@@ -23,6 +23,7 @@ from jax import lax
 from jax.typing import ArrayLike
 
 from .. import _engine
+from .._placement import read_frozen
 from .._weight import LoraWeight
 from .dot import scale
 from ._contract import arrange, factor_contract, gate_rank
@@ -194,7 +195,7 @@ def _lookup(lw: LoraWeight, indices: Any, dn: lax.GatherDimensionNumbers, slice_
         o = gate_rank(o, o_l, gate, gate_l)
     # As in the dot rule: the other factor's cotangent as a canonical matmul.
     low, low_l = factor_contract(gf, gf_l, o, o_l, out_l, True)
-    return _engine.call(
-        lax.gather_p.bind, w, indices, dimension_numbers=dn, slice_sizes=tuple(slice_sizes),
-        **params,
-    ) + arrange(low, low_l, out_l)
+    rows = read_frozen(lambda w, i: _engine.call(
+        lax.gather_p.bind, w, i, dimension_numbers=dn, slice_sizes=tuple(slice_sizes),
+        **params), w, indices)  # a host-resident table moves whole
+    return rows + arrange(low, low_l, out_l)

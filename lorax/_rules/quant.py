@@ -37,6 +37,7 @@ from jax.typing import ArrayLike
 from .. import _engine
 from .._quant import _formats as F
 from .._quant._array import QuantizedArray
+from .._placement import in_host_memory, on_device
 from .._sharding import gathered, manual
 from ._contract import arrange, contract, dot_labels
 from .gather import _drop_whole_columns
@@ -77,7 +78,9 @@ def _rebuild(like: QuantizedArray, leaves: tuple, **static: Any) -> QuantizedArr
 
 def _dense_storage(meta: "_Meta", leaves: tuple, dep: Array | None) -> Array:
     # Sharded leaves are gathered as codes, then dequantized (see `_sharding.gathered`).
-    codes, scales, mins, ss, so = (None if x is None else gathered(x, meta.mesh) for x in leaves)
+    # Host-resident leaves (`lorax.offload_frozen`) move here, as codes, before use.
+    codes, scales, mins, ss, so = (None if x is None else gathered(on_device(x), meta.mesh)
+                                   for x in leaves)
     qa = QuantizedArray(codes if dep is None else _after(codes, dep), scales, mins, scale_scales=ss, scale_offset=so,
                         qtype=meta.qtype, block_size=meta.block_size, axis=meta.axis,
                         dense_dtype=meta.dense_dtype)
@@ -143,6 +146,9 @@ def _partitioned(plan: Any, x: Array) -> bool:
 
 
 def _apply(plan: Any, x: Array, leaves: tuple, aux: tuple) -> Array:
+    # Inside the custom_vjp: the residuals stay the leaves where they live (host memory
+    # too), and the backward pass moves them again.
+    leaves = tuple(map(on_device, leaves))
     if _partitioned(plan, x):
         return quantized_contraction(plan, x, leaves, functools.partial(_gathered_apply, plan))
     return plan.apply(_plan_storage(plan, leaves, x), x, *aux)
@@ -165,21 +171,24 @@ def _qlinear_bwd(plan: Any, res: tuple, dy: Array) -> tuple[Array, Any, Any]:
     # `aux`: further operands the op is not differentiated in (a ragged_dot's group sizes).
     leaves, aux = res
     zero = functools.partial(jax.tree_util.tree_map, _zero_cotangent)
+    moved = tuple(map(on_device, leaves))
     if _partitioned(plan, dy):
         t = plan.transposed(dy)
-        dx = quantized_contraction(t, dy, leaves, functools.partial(_gathered_apply, t))
+        dx = quantized_contraction(t, dy, moved, functools.partial(_gathered_apply, t))
         dx = dx.astype(plan.x_dtype)
         return dx, zero(leaves), zero(aux)
-    w = _plan_storage(plan, leaves, dy)
+    w = _plan_storage(plan, moved, dy)
     aval = jax.ShapeDtypeStruct(plan.x_shape, plan.x_dtype)
     (dx,) = jax.linear_transpose(lambda x: plan.apply(w, x, *aux), aval)(dy)
     return dx, zero(leaves), zero(aux)
 
 
 def _zero_cotangent(x: Array) -> Array:
-    if jnp.issubdtype(x.dtype, jnp.inexact):
-        return jnp.zeros(x.shape, x.dtype)
-    return np.zeros(x.shape, jax.dtypes.float0)
+    if not jnp.issubdtype(x.dtype, jnp.inexact):
+        return np.zeros(x.shape, jax.dtypes.float0)
+    zero = jnp.zeros(x.shape, x.dtype)
+    # Typed as the leaf, host memory included (the frozen leaf's cotangent is dropped).
+    return jax.device_put(zero, jax.memory.Space.Host) if in_host_memory(x) else zero
 
 
 _qlinear.defvjp(_qlinear_fwd, _qlinear_bwd)
@@ -368,6 +377,7 @@ def quantized_lookup(qa: QuantizedArray, indices: Array, dn: lax.GatherDimension
                      mode: Any, fill_value: Any) -> Array:
     """`gather` of entries of `qa`: gather their codes, dequantize only those."""
     indices = jnp.asarray(indices)
+    qa = jax.tree_util.tree_map(on_device, qa)  # the table moves whole (codes, not values)
     batch_shape = indices.shape[:-1]
     flat = indices.reshape(-1, indices.shape[-1])
     rows = jax.vmap(functools.partial(_lookup_one, qa, tuple(dn.start_index_map)))(flat)
@@ -486,7 +496,7 @@ def _single_scales(qa: QuantizedArray) -> QuantizedArray:
     its blocks can be cut anywhere."""
     if qa.scale_scales is None:
         return qa
-    scales = F.double_dequantize(qa.scales, qa.scale_scales, qa.scale_offset)
+    scales = F.double_dequantize(*map(on_device, (qa.scales, qa.scale_scales, qa.scale_offset)))
     return _rebuild(qa, (qa.codes, scales, qa.mins, None, None))
 
 

@@ -22,6 +22,7 @@ from jax import Array, lax
 from jax.typing import ArrayLike
 
 from .. import _engine
+from .._placement import read_frozen
 from .._weight import LoraWeight
 from .dot import scale
 
@@ -93,8 +94,9 @@ def _impl(x, w, b, a, group_sizes, rest, x_low, *, plan, factor_scale, params):
                                          ragged_dot_dimension_numbers=dn, **p)
 
     # `w` arrives frozen (see `lora`); `_engine.call`: a quantized `w` goes to its rule.
-    base = _engine.call(lambda x, w: bind(x, w, params["ragged_dot_dimension_numbers"],
-                                          **rest_params), x, w)
+    base = read_frozen(lambda w, x: _engine.call(
+        lambda x, w: bind(x, w, params["ragged_dot_dimension_numbers"], **rest_params), x, w),
+        w, x)
     f1, f2 = (b, a) if plan.f1_is_b else (a, b)
     t = bind(x if x_low is None else x_low, f1.astype(w.dtype), plan.first, **low)
     t = scale(t, factor_scale)

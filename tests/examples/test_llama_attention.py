@@ -120,7 +120,7 @@ def _tiny_loss(remat, attention="auto"):
     return jax.value_and_grad(lambda p: llama.loss(cfg, p, windows))(params)
 
 
-@pytest.mark.parametrize("remat", ["dots", "none"])
+@pytest.mark.parametrize("remat", ["dots", "none", "offload"])
 def test_remat_choices_change_no_value_or_gradient(remat):
     value, grads = _tiny_loss(remat)
     ref_value, ref_grads = _tiny_loss("layer")
@@ -145,5 +145,7 @@ def test_remat_choices_keep_what_they_say():
     assert remats("layer") == [None]
     assert remats("dots") == [jax.checkpoint_policies.dots_with_no_batch_dims_saveable]
     assert remats("none") == []
+    (offload,) = remats("offload")  # saves nothing on the device, the named input offloaded
+    assert offload.__qualname__.startswith("save_and_offload_only_these_names")
     with pytest.raises(ValueError, match="remat 'some'"):
         remats("some")

@@ -1,0 +1,228 @@
+"""Host offload at Llama shapes, compile-only: where a QLoRA step keeps its frozen codes and
+where it moves them, read from the step exported for `cuda` (no GPU needed).
+
+The step is `benchmarks.scale`'s Llama Adam step (QLoRA nf4 with double quantization, rank
+16 on the seven projections, bf16, per-layer remat, one 2048-token window), its frozen
+weights placed in host memory by `lorax.offload_frozen`. From the exported module:
+
+- the step's arguments in host and in device memory (GiB);
+- every move to the device (`annotate_device_placement`): inside a loop body or not, and
+  the bytes it moves. A layer's codes moved inside the layer loop are what streaming
+  means; a move outside any loop, or one as large as a whole stack, is the whole stack
+  crossing at once.
+
+The card's figures (peak device memory, step time against the all-on-device step) come
+from `python -m benchmarks.accelerator` with `+host` methods, on a card.
+
+    python -m benchmarks.offload [--models llama-3-8b,llama-3-70b] [--out DIR] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+from typing import Any, NamedTuple
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    __package__ = "benchmarks"
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import optax  # noqa: E402
+
+import lorax  # noqa: E402
+
+from . import _common as C  # noqa: E402
+
+GiB = 2**30
+
+
+# -- reading an exported module -------------------------------------------------------------
+
+
+class Move(NamedTuple):
+    shape: tuple[int, ...]
+    dtype: str
+    nbytes: int
+    to: str  # "device" or a host memory kind
+    in_loop: bool  # inside a `while` body, in the function itself or in one it is called from
+
+
+class Argument(NamedTuple):
+    name: str
+    nbytes: int
+    memory_kind: str
+
+
+_BYTES = {"i1": 1, "ui8": 1, "i8": 1, "ui16": 2, "i16": 2, "bf16": 2, "f16": 2, "ui32": 4,
+          "i32": 4, "f32": 4, "ui64": 8, "i64": 8, "f64": 8}
+
+
+def _tensor(t: Any) -> tuple[tuple[int, ...], str, int]:
+    from jax._src.lib.mlir import ir
+    rt = ir.RankedTensorType(t)
+    dtype = str(rt.element_type)
+    shape = tuple(rt.shape)
+    return shape, dtype, math.prod(shape) * _BYTES.get(dtype, 4)
+
+
+def _walk(op: Any, in_loop: bool = False) -> Any:
+    """Every operation nested in `op`, with whether a `while` encloses it (within `op`)."""
+    for region in op.regions:
+        for block in region.blocks:
+            for child in block.operations:
+                yield child, in_loop
+                yield from _walk(child.operation, in_loop or child.operation.name == "stablehlo.while")
+
+
+def placements(module_text: str) -> tuple[list[Argument], list[Move]]:
+    """The entry function's arguments (bytes, memory kind) and every placement op of an
+    exported StableHLO module, each with whether it runs inside a loop body."""
+    from jax._src.interpreters import mlir as jmlir
+    from jax._src.lib.mlir import ir
+    module = ir.Module.parse(module_text, context=jmlir.make_ir_context())
+    funcs = {ir.StringAttr(f.attributes["sym_name"]).value: f for f in module.body.operations
+             if f.operation.name == "func.func"}
+    calls: dict[str, set] = {name: set() for name in funcs}  # callee -> {in a loop?}
+    found: dict[str, list] = {name: [] for name in funcs}
+    for name, f in funcs.items():
+        for op, in_loop in _walk(f.operation):
+            kind = op.operation.name
+            if kind == "func.call":
+                callee = ir.FlatSymbolRefAttr(op.attributes["callee"]).value
+                found[name].append(("call", callee, in_loop))
+            elif kind == "stablehlo.custom_call" and "annotate_device_placement" in str(
+                    op.attributes["call_target_name"]):
+                to = str(op.attributes["mhlo.frontend_attributes"]).split('"')[1]
+                found[name].append(("move", (*_tensor(op.operands[0].type), to), in_loop))
+    main = "main" if "main" in funcs else next(iter(funcs))
+    contexts: dict[str, set] = {main: {False}}
+    todo = [main]
+    while todo:  # which functions run inside a loop (a function may run in both)
+        name = todo.pop()
+        for what, callee, local in found[name]:
+            if what != "call":
+                continue
+            new = {c or local for c in contexts[name]} - contexts.setdefault(callee, set())
+            if new:
+                contexts[callee] |= new
+                todo.append(callee)
+    moves = [Move(*info, in_loop=c or local) for name, ctxs in contexts.items() for c in ctxs
+             for what, info, local in found[name] if what == "move"]
+    return _arguments(funcs[main]), moves
+
+
+def _arguments(main: Any) -> list[Argument]:
+    from jax._src.lib.mlir import ir
+    attrs = main.attributes["arg_attrs"] if "arg_attrs" in main.attributes else None
+    types = ir.FunctionType(ir.TypeAttr(main.attributes["function_type"]).value).inputs
+    out = []
+    for i, t in enumerate(types):
+        entry = ir.DictAttr(attrs[i]) if attrs is not None else None
+        kind = (ir.StringAttr(entry["mhlo.memory_kind"]).value
+                if entry is not None and "mhlo.memory_kind" in entry else "device")
+        out.append(Argument(f"arg{i}", _tensor(t)[2], kind))
+    return out
+
+
+# -- the step at model shapes ---------------------------------------------------------------
+
+
+def exported_step(model: str, method: str = "qlora-nf4", offload: bool = True,
+                  remat: str = "layer") -> Any:
+    """`benchmarks.scale`'s Adam step for `model`, exported for `cuda` from abstract
+    arguments (nothing allocated), its frozen half in host memory if `offload`."""
+    from . import scale as S
+    cfg = S.config(model, "xla", remat)  # cuDNN's attention needs cuDNN to export
+    abstract, spec = S.build(cfg, method, jnp.bfloat16)
+    trainable, frozen = lorax.partition(abstract, spec)
+    if offload:
+        frozen = lorax.offload_frozen(frozen)
+    optimizer = optax.adam(1e-4)
+    state = jax.eval_shape(optimizer.init, trainable)
+    seq = S.MODELS[model][-1]
+    windows = jax.ShapeDtypeStruct((1, seq + 1), jnp.int32)
+    apply = lorax.lora(lambda p, w: S.LLAMA.loss(cfg, p, w), on_materialize="allow")
+
+    def step(trainable: Any, frozen: Any, opt_state: Any, windows: Any) -> tuple:
+        loss = lambda t: apply(lorax.combine(t, frozen), windows)  # noqa: E731
+        value, grads = jax.value_and_grad(loss)(trainable)
+        updates, opt_state = optimizer.update(grads, opt_state, trainable)
+        return optax.apply_updates(trainable, updates), opt_state, value
+
+    return export_for_cuda(step, trainable, frozen, state, windows)
+
+
+def export_for_cuda(fn: Any, *args: Any) -> Any:
+    """`jax.export` of `jax.jit(fn)` for `cuda` (no GPU needed), host-placed arguments
+    (concrete or abstract) typed and laid out in host memory."""
+    return jax.export.export(jax.jit(fn, in_shardings=jax.tree.map(_sharding, args)),
+                             platforms=["cuda"])(*jax.tree.map(_typed, args))
+
+
+def _in_host(x: Any) -> bool:
+    return getattr(getattr(x, "sharding", None), "memory_kind", None) == "pinned_host"
+
+
+def _sharding(x: Any) -> Any:
+    return x.sharding if _in_host(x) else jax.sharding.SingleDeviceSharding(jax.devices()[0])
+
+
+def _typed(x: Any) -> Any:
+    """A host-placed abstract argument as the type a host array traces with (a
+    `ShapeDtypeStruct` traces as device memory whatever its sharding says)."""
+    if not _in_host(x):
+        return x
+    return jax.core.ShapedArray(x.shape, x.dtype, memory_space=jax.memory.Space.Host)
+
+
+def measure(model: str, offload: bool) -> dict[str, Any]:
+    args, moves = placements(exported_step(model, offload=offload).mlir_module())
+    host = sum(a.nbytes for a in args if a.memory_kind != "device")
+    looped = [m for m in moves if m.to == "device" and m.in_loop]
+    outside = [m for m in moves if m.to == "device" and not m.in_loop]
+    return dict(model=model, placement="host" if offload else "device",
+                host_args_gib=host / GiB,
+                device_args_gib=sum(a.nbytes for a in args if a.memory_kind == "device") / GiB,
+                moves_in_loops=len(looped),
+                largest_loop_move_mib=max((m.nbytes for m in looped), default=0) / 2**20,
+                moves_outside_loops=len(outside),
+                bytes_outside_loops_gib=sum(m.nbytes for m in outside) / GiB)
+
+
+COLUMNS = [("model", "model"), ("placement", "frozen codes"), ("host_args_gib", "host GiB"),
+           ("device_args_gib", "device args GiB"), ("moves_in_loops", "moves in loop bodies"),
+           ("largest_loop_move_mib", "largest move in a loop, MiB"),
+           ("moves_outside_loops", "moves outside loops"),
+           ("bytes_outside_loops_gib", "GiB moved outside loops")]
+
+
+def markdown(rows: list[dict]) -> str:
+    head = "| " + " | ".join(title for _, title in COLUMNS) + " |"
+    lines = [head, "|" + "---|" * len(COLUMNS)]
+    for r in rows:
+        cells = [f"{r[k]:.2f}" if isinstance(r[k], float) else str(r[k]) for k, _ in COLUMNS]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default="llama-3-8b,llama-3-70b")
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--quick", action="store_true", help="the tiny model only (CI)")
+    args = parser.parse_args(argv)
+    models = ["tiny"] if args.quick else args.models.split(",")
+    rows = [measure(m, offload) for m in models for offload in (False, True)]
+    out = C.out_dir(args.out)
+    C.write_csv(out / "offload.csv", rows)
+    (out / "offload.md").write_text(markdown(rows))
+    print(markdown(rows))
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,119 @@
+"""Which memory a frozen leaf lives in, and where it moves to be read.
+
+A frozen weight may live in host memory (a sharding with `memory_kind="pinned_host"`):
+the device then holds only the trainable factors, the activations and the one layer of
+frozen codes being used. Nothing moves at `lora()`'s boundary. A rule that reads a
+host-resident leaf moves what it reads, where it reads it (`on_device`): under
+`lax.scan` over stacked layers that is the current layer's slice, inside the loop body,
+in the forward pass, in a recomputation and in the backward pass alike. The backward
+pass keeps the host leaf, not the moved copy: a quantized weight's contraction is a
+`custom_vjp` whose residuals are its leaves, and a dense weight's product recomputes
+its move (`read_frozen`), so `lax.scan` never stacks device copies of every layer.
+
+XLA:CPU accepts the memory kinds and computes the same values (its host and device
+memory are one); the moves show in a program exported for `cuda` as
+`annotate_device_placement` calls.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+
+from . import _engine
+
+HOST = "pinned_host"
+
+
+def in_host_memory(x: Any) -> bool:
+    """`x` is an array (or tracer) typed in host memory."""
+    if not isinstance(x, (jax.Array, jax.core.Tracer)):
+        return False
+    return getattr(jax.typeof(x), "memory_space", None) == jax.memory.Space.Host
+
+
+def on_device(x: Any) -> Any:
+    """`x` in device memory: moved if it is typed in host memory, else as it is (`None` too)."""
+    if not in_host_memory(x):
+        return x
+    return jax.device_put(x, jax.memory.Space.Device)
+
+
+def read_frozen(product: Callable[..., Any], w: Any, *operands: Any) -> Any:
+    """`product(w, *operands)`, `w` read in device memory.
+
+    A `w` in host memory is moved inside a `jax.checkpoint`, so differentiation keeps
+    `w` itself for the backward pass and moves it again there, rather than saving the
+    moved copy (per layer, under `lax.scan`: every layer's weight on the device).
+    """
+    if not in_host_memory(w):
+        return product(w, *operands)
+    return jax.checkpoint(lambda w, *ops: product(on_device(w), *ops),
+                          prevent_cse=False)(w, *operands)
+
+
+def _to_host(x: Any, memory_kind: str) -> Any:
+    sharding = getattr(x, "sharding", None)
+    if sharding is None:  # a NumPy array or a bare ShapeDtypeStruct: the default device's
+        sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    sharding = sharding.with_memory_kind(memory_kind)
+    if isinstance(x, jax.ShapeDtypeStruct):  # abstract (compile-only planning): retyped
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+    return jax.device_put(x, sharding)
+
+
+def _frozen_to_host(leaf: Any, memory_kind: str) -> Any:
+    from ._weight import LoraWeight, unchecked_replace  # (_weight reads `on_device`)
+
+    move = lambda x: _to_host(x, memory_kind)  # noqa: E731
+    if isinstance(leaf, LoraWeight):
+        w = leaf.w
+        w = jax.tree_util.tree_map(move, w) if _engine.is_value(w) else move(w)
+        return unchecked_replace(leaf, w=w)  # (a partition's frozen half has no factors)
+    if _engine.is_value(leaf) and hasattr(leaf, "codes"):  # a bare QuantizedArray
+        return jax.tree_util.tree_map(move, leaf)
+    return leaf
+
+
+def offload_frozen(params: Any, *, memory_kind: str = HOST) -> Any:
+    """`params` with its frozen weights in host memory, the rest where it was.
+
+    The 24 GB recipe for a large QLoRA model: the frozen codes (35.7 GiB for
+    Llama-3-70B in nf4) stay in host memory, and `lora(fn)` moves each layer's
+    codes to the device when a rule reads them (inside a `lax.scan` body: one
+    layer's slice per iteration). Moved are each [`lorax.LoraWeight`][]'s `w`
+    (dense or a [`lorax.QuantizedArray`][]'s codes and scales) and each bare
+    `QuantizedArray`; the factors `a` and `b` and every other leaf (norms,
+    embeddings) stay where they are. New arrays are made: `params`' own buffers are
+    neither changed nor deleted, so drop your references to them to free the
+    device memory they hold. Each array keeps its sharding, in the other memory.
+
+    **Arguments:**
+
+    - `params`: a parameter tree (from [`lorax.init_lora`][] or `load_*`), or its
+      frozen half from [`lorax.partition`][]; `jax.ShapeDtypeStruct` leaves get a
+      host sharding (to compile a step without allocating it).
+    - `memory_kind`: where the frozen leaves go (`"pinned_host"`, the default, is
+      what a device can read from directly; see the platform's
+      `jax.devices()[0].addressable_memories()`).
+
+    **Returns:**
+
+    A tree of the same structure.
+
+    !!! Example
+
+        ```python
+        import jax, jax.numpy as jnp
+        import lorax
+
+        params = lorax.init_lora({"w": jnp.ones((64, 32))}, {"w": 4}, jax.random.PRNGKey(0))
+        offloaded = lorax.offload_frozen(params)
+        assert offloaded["w"].w.sharding.memory_kind == "pinned_host"
+        assert offloaded["w"].a.sharding.memory_kind != "pinned_host"
+        ```
+    """
+    return jax.tree_util.tree_map(lambda x: _frozen_to_host(x, memory_kind), params,
+                                  is_leaf=_engine.is_value)
