@@ -70,6 +70,8 @@ def _frozen_to_host(leaf: Any, memory_kind: str) -> Any:
     move = lambda x: _to_host(x, memory_kind)  # noqa: E731
     if isinstance(leaf, LoraWeight):
         w = leaf.w
+        if w is None:  # a partition's trainable half
+            return leaf
         w = jax.tree_util.tree_map(move, w) if _engine.is_value(w) else move(w)
         return unchecked_replace(leaf, w=w)  # (a partition's frozen half has no factors)
     if _engine.is_value(leaf) and hasattr(leaf, "codes"):  # a bare QuantizedArray
@@ -115,5 +117,14 @@ def offload_frozen(params: Any, *, memory_kind: str = HOST) -> Any:
         assert offloaded["w"].a.sharding.memory_kind != "pinned_host"
         ```
     """
+    _check_memory_kind(memory_kind)
     return jax.tree_util.tree_map(lambda x: _frozen_to_host(x, memory_kind), params,
                                   is_leaf=_engine.is_value)
+
+
+def _check_memory_kind(memory_kind: str) -> None:
+    kinds = sorted({m.kind for d in jax.local_devices() for m in d.addressable_memories()})
+    if memory_kind not in kinds:
+        raise ValueError(f"offload_frozen: memory_kind {memory_kind!r} is not a memory of this "
+                         f"platform's devices ({jax.default_backend()}: {kinds}); "
+                         f"{HOST!r} is host memory the devices read directly.")

@@ -314,3 +314,12 @@ def test_a_layer_indexed_in_a_fori_loop_moves_that_layer_only():
     moved = {m.shape for m in moves if m.dtype == "i8"}
     assert moved == {s[1:] for s in codes}  # one layer's codes, never the stack
     assert all(m.in_loop for m in moves)
+
+
+def test_offload_frozen_leaves_a_trainable_half_alone_and_rejects_unknown_memory():
+    spec = {"w": 4}
+    params = lorax.init_lora({"w": jnp.ones((16, 8))}, spec, jax.random.PRNGKey(0))
+    trainable, _ = lorax.partition(params, spec)
+    assert set(_kinds(lorax.offload_frozen(trainable)).values()) == {"device"}
+    with pytest.raises(ValueError, match=r"memory_kind 'pinned_hots' is not a memory .*'pinned_host'"):
+        lorax.offload_frozen(params, memory_kind="pinned_hots")
