@@ -111,22 +111,31 @@ def hand_block(cfg: Any, x: Any, layer: dict) -> Any:
     return x + lin(jax.nn.silu(lin(h, "gate")) * lin(h, "up"), "down")
 
 
-def setup(cfg: Any, method: str) -> tuple[Any, Any, Callable]:
+def hand_factors(layer: dict, key: Any) -> dict:
+    """LoRA factors for one layers dict (stacked or one layer's): `a` random, `b` zero."""
+    factors = {}
+    for i, name in enumerate(S.TARGETS):
+        *lead, d_in, d_out = layer[name].shape
+        factors[name + "_a"] = 0.01 * jax.random.normal(
+            jax.random.fold_in(key, i), (*lead, d_in, S.RANK))
+        factors[name + "_b"] = jnp.zeros((*lead, S.RANK, d_out), jnp.float32)
+    return factors
+
+
+def setup(cfg: Any, method: str, layers: str = "scan") -> tuple[Any, Any, Callable]:
     """(trainable, frozen, loss(trainable, frozen, windows)), the arrays on the device."""
     if method == "hand":
-        dense = materialise(S.abstract_params(cfg, DTYPE))
-        key, factors = jax.random.PRNGKey(1), {}
-        for i, name in enumerate(S.TARGETS):
-            n, d_in, d_out = dense["layers"][name].shape
-            factors[name + "_a"] = 0.01 * jax.random.normal(
-                jax.random.fold_in(key, i), (n, d_in, S.RANK))
-            factors[name + "_b"] = jnp.zeros((n, S.RANK, d_out), jnp.float32)
+        dense = materialise(S.abstract_params(cfg, DTYPE, layers))
+        keys = iter(jax.random.split(jax.random.PRNGKey(1), cfg.n_layers))
+        factors = S.map_layers(lambda layer: hand_factors(layer, next(keys)), dense["layers"])
         S.LLAMA.block = hand_block  # this process runs this one cell
-
         def hand_loss(t: Any, f: Any, w: Any) -> Any:
-            return S.LLAMA.loss(cfg, dict(f, layers=dict(f["layers"], **t["layers"])), w)
+            fl, tl = f["layers"], t["layers"]
+            merged = ([dict(a, **b) for a, b in zip(fl, tl)] if isinstance(fl, list)
+                      else dict(fl, **tl))
+            return S.LLAMA.loss(cfg, dict(f, layers=merged), w)
         return {"layers": factors}, dense, hand_loss
-    abstract, spec = S.build(cfg, method.removesuffix("+host"), DTYPE)
+    abstract, spec = S.build(cfg, method.removesuffix("+host"), DTYPE, layers)
     params = materialise(abstract, frozen_on_host=method.endswith("+host"))
     trainable, frozen = lorax.partition(params, spec)
     apply = lorax.lora(lambda p, w: S.LLAMA.loss(cfg, p, w), on_materialize="allow")
@@ -140,7 +149,7 @@ def compiled_step(cell: Cell) -> tuple[Any, tuple, dict]:
     """The jitted Adam step of `cell`, compiled, its arguments, and the setup facts."""
     cfg, seq = S.config(cell.model, cell.attention, cell.remat), S.MODELS[cell.model][-1]
     t0 = time.perf_counter()
-    trainable, frozen, loss = setup(cfg, cell.method)
+    trainable, frozen, loss = setup(cfg, cell.method, cell.layers)
     optimizer = optax.adam(1e-4)
     state = optimizer.init(trainable)
     windows = jax.random.randint(jax.random.PRNGKey(2), (cell.batch, seq + 1), 0, cfg.vocab)

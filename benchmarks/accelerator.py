@@ -7,7 +7,7 @@ on q, k, v, o, gate, up, down; bf16 base and activations, float32 factors and Ad
 moments), its parameters random values generated on the device (a quantized base as
 random codes and small positive scales: nothing dense is made first). A cell is
 
-    MODEL:METHOD:BATCH:REMAT:ATTENTION     e.g. llama-3-8b:lora:1:none:auto
+    MODEL:METHOD:BATCH:REMAT:ATTENTION[:LAYERS]     e.g. llama-3-8b:lora:1:none:auto
 
 - METHOD: `lora` (dense frozen base), `qlora-nf4` (double-quantized), `qlora-int8`,
   `qlora-q4_k` (GGUF's blocks), `hand` (LoRA written by hand into the same model code),
@@ -16,7 +16,10 @@ random codes and small positive scales: nothing dense is made first). A cell is
   made there, never whole on the device), each layer's moved in when it is read;
 - BATCH: windows of the model's 2048 tokens per step;
 - REMAT: `llama.Config.remat` (`layer`, `dots`, `none`);
-- ATTENTION: `llama.Config.attention` (`auto`: cuDNN's fused attention on a GPU).
+- ATTENTION: `llama.Config.attention` (`auto`: cuDNN's fused attention on a GPU);
+- LAYERS (optional): `scan` (the default: stacked layers under `lax.scan`) or `unrolled`
+  (a list of per-layer weights, the loop unrolled: no per-layer slice copied out of a
+  stack; `llama.hidden_states`).
 
 `peft:MODEL:BATCH:COMPILE:CHECKPOINTING` (e.g. `peft:llama-3-8b:1:compiled:off`) is the same
 step in PyTorch + PEFT (`benchmarks/_peft.py`; needs torch, transformers and peft).
@@ -72,6 +75,9 @@ DEFAULT_CELLS = (
     "llama-3-8b:qlora-int8:1:layer:auto", "llama-3-8b:qlora-q4_k:1:layer:auto",
     "llama-3-8b:full:1:layer:auto",
     "llama-3-8b:lora:4:none:auto", "llama-3-8b:lora:4:dots:auto",
+    "llama-3-8b:lora:1:none:auto:unrolled", "llama-3-8b:lora:1:dots:auto:unrolled",
+    "llama-3-8b:hand:1:none:auto:unrolled", "llama-3-8b:qlora-nf4:1:none:auto:unrolled",
+    "llama-3-8b:lora:4:none:auto:unrolled",
     "llama-3-70b:qlora-nf4:1:layer:auto",
     "llama-3-8b:qlora-nf4+host:1:layer:auto", "llama-3-70b:qlora-nf4+host:1:layer:auto",
     "llama-3-8b:qlora-nf4+host:1:offload:auto",
@@ -82,7 +88,12 @@ DEFAULT_CELLS = (
 )
 # Each method family, remat choice and attention path at least once (CI's smoke run).
 QUICK_CELLS = ("tiny:lora:1:layer:auto", "tiny:qlora-nf4:1:none:auto", "tiny:hand:1:dots:auto",
-               "tiny:full:1:layer:xla", "tiny:qlora-nf4+host:1:none:auto", "peft:tiny:1:eager:off")
+               "tiny:full:1:layer:xla", "tiny:qlora-nf4+host:1:none:auto",
+               "tiny:lora:1:none:auto:unrolled", "tiny:hand:1:none:auto:unrolled",
+               "peft:tiny:1:eager:off")
+
+
+LAYER_LOOPS = ("scan", "unrolled")  # `benchmarks.scale.LAYER_LOOPS`, without importing JAX here
 
 
 class Cell(NamedTuple):
@@ -91,19 +102,22 @@ class Cell(NamedTuple):
     batch: int
     remat: str
     attention: str
+    layers: str = "scan"
 
     @classmethod
     def parse(cls, text: str) -> "Cell":
         parts = text.split(":")
-        base = parts[1].removesuffix("+host") if len(parts) == 5 else ""
+        base = parts[1].removesuffix("+host") if len(parts) in (5, 6) else ""
         host_ok = base == parts[1] or base.startswith(("lora", "qlora"))
-        if len(parts) != 5 or base not in METHODS or not host_ok:
-            raise ValueError(f"cell {text!r}: expected MODEL:METHOD:BATCH:REMAT:ATTENTION with "
-                             f"METHOD one of {METHODS} (`+host` after a lora or qlora one)")
-        return cls(parts[0], parts[1], int(parts[2]), parts[3], parts[4])
+        if (len(parts) not in (5, 6) or base not in METHODS or not host_ok
+                or parts[5:] not in ([], *([x] for x in LAYER_LOOPS))):
+            raise ValueError(f"cell {text!r}: expected MODEL:METHOD:BATCH:REMAT:ATTENTION[:LAYERS] "
+                             f"with METHOD one of {METHODS} (`+host` after a lora or qlora one) "
+                             f"and LAYERS one of {LAYER_LOOPS}")
+        return cls(parts[0], parts[1], int(parts[2]), *parts[3:])
 
     def __str__(self) -> str:
-        return ":".join(str(v) for v in self)
+        return ":".join(str(v) for v in (self if self.layers != "scan" else self[:5]))
 
 
 # -- model FLOPs -------------------------------------------------------------------------------
@@ -193,7 +207,8 @@ def fused_attention_works(steps: int) -> bool:
 def timeout_for(text: str) -> float:
     if text.startswith("peft:") and ":compiled:" in text:
         return 420  # torch.compile's first step: ~2 minutes at 8B
-    return 420 if "70b" in text else 240
+    # An unrolled loop compiles every layer: ~30 s for 8B on a CPU, against ~4 under scan.
+    return 420 if "70b" in text or text.endswith(":unrolled") else 240
 
 
 def with_rates(row: dict[str, Any], ceiling: dict[str, Any]) -> dict[str, Any]:
@@ -214,7 +229,7 @@ def with_rates(row: dict[str, Any], ceiling: dict[str, Any]) -> dict[str, Any]:
 def with_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """`vs_peft`: tokens/s over the fastest PyTorch + PEFT cell of the same model and batch;
     `vs_lora` (QLoRA, hand-written): step time over dense lorax LoRA's, same remat and
-    attention; `vs_hand` (lorax LoRA): over hand-written LoRA's; `vs_device` (a `+host`
+    attention and layers; `vs_hand` (lorax LoRA): over hand-written LoRA's; `vs_device` (a `+host`
     method): over the same method's with every weight on the device."""
     ok = [r for r in rows if "tokens_per_s" in r]
     for r in ok:
@@ -223,8 +238,9 @@ def with_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 (p["model"], p["batch"]) == key]
         if peft and not r["method"].startswith("peft"):
             r["vs_peft"] = r["tokens_per_s"] / max(peft)
+        how = lambda p: (p["remat"], p["attention"], p.get("layers") or "scan")  # noqa: E731
         same = lambda m: next((p["step_s"] for p in ok if p["method"] == m and (  # noqa: E731
-            p["model"], p["batch"], p["remat"], p["attention"]) == (*key, r["remat"], r["attention"])), None)
+            p["model"], p["batch"], *how(p)) == (*key, *how(r))), None)
         if r["method"].endswith("+host"):
             name, ref = "vs_device", same(r["method"].removesuffix("+host"))
         else:
@@ -241,7 +257,7 @@ def markdown(rows: list[dict[str, Any]]) -> list[str]:
     table = C.md_table(
         ["model", "batch", "method", "remat", "attention", "s/step", "tokens/s", "MFU",
          "vs fastest PEFT", "vs dense / hand", "peak GiB", "XLA GiB", "compile s"],
-        [[r["model"], f"{r['batch']}x{r.get('seq', '')}", r["method"], r.get("remat", ""),
+        [[r["model"], f"{r['batch']}x{r.get('seq', '')}", _method(r), r.get("remat", ""),
           _attention(r), f(r, "step_s", ".3f"), f(r, "tokens_per_s", ",.0f"),
           f(r, "mfu_datasheet", ".1%") or f(r, "mfu", ".1%"), f(r, "vs_peft", ".2f"),
           f(r, "vs_lora", ".3f") or f(r, "vs_hand", ".3f") or f(r, "vs_device", ".3f"),
@@ -258,8 +274,12 @@ def markdown(rows: list[dict[str, Any]]) -> list[str]:
                "8192-cube bf16 products) is in the CSV's `mfu` column." if rates else ".")
             + " *vs dense / hand*: step time over dense lorax LoRA's (QLoRA, hand-written), "
             "over hand-written LoRA's (lorax LoRA), or over the same method's with every weight "
-            "on the device (`+host`: frozen weights in host memory), same batch, remat and "
-            "attention."]
+            "on the device (`+host`: frozen weights in host memory), same batch, remat, "
+            "attention and layers (*unrolled*: per-layer weights, no `lax.scan`)."]
+
+
+def _method(r: dict[str, Any]) -> str:
+    return f"{r['method']}, unrolled" if r.get("layers") == "unrolled" else str(r["method"])
 
 
 def _attention(r: dict[str, Any]) -> str:
@@ -294,7 +314,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     rows = sorted((r for r in rows if r["model"] == model), key=lambda r: (r["batch"], r["tokens_per_s"]))
     fig, axes = C.small_multiples(1, 1, panel_height=0.32 * len(rows) + 0.8)
     ax = axes[0][0]
-    label = lambda r: (f"{r['method']} {r['batch']}x{r['seq']}" + (  # noqa: E731
+    label = lambda r: (f"{_method(r)} {r['batch']}x{r['seq']}" + (  # noqa: E731
         f", remat {r['remat']}, {r.get('attention_used') or r['attention']}"
         if not str(r["method"]).startswith("peft") else ""))
     family = lambda r: next(k for k in COLORS if str(r["method"]).startswith(k))  # noqa: E731

@@ -113,33 +113,50 @@ def config(name: str, attention: str = "auto", remat: str = "layer") -> Any:
     return LLAMA.Config(n, d, f, h, kv, 5e5, 1e-5, vocab, attention=attention, remat=remat)
 
 
-def abstract_params(cfg: Any, dtype: Any) -> dict:
+# How the layers are laid out (`llama.hidden_states`): stacked under `lax.scan`, or a list
+# of per-layer dicts run unrolled.
+LAYER_LOOPS = ("scan", "unrolled")
+
+
+def abstract_params(cfg: Any, dtype: Any, layers: str = "scan") -> dict:
+    if layers not in LAYER_LOOPS:
+        raise ValueError(f"layers {layers!r}: expected one of {LAYER_LOOPS}")
     hd = cfg.dim // cfg.n_heads
     n, d = cfg.n_layers, cfg.dim
     shapes = dict(q=(d, cfg.n_heads * hd), k=(d, cfg.n_kv_heads * hd),
                   v=(d, cfg.n_kv_heads * hd), o=(cfg.n_heads * hd, d), gate=(d, cfg.hidden),
                   up=(d, cfg.hidden), down=(cfg.hidden, d), attn_norm=(d,), mlp_norm=(d,))
     sds = lambda *s: jax.ShapeDtypeStruct(s, dtype)  # noqa: E731
-    return {"embed": sds(cfg.vocab, d), "final_norm": sds(d),
-            "layers": {k: sds(n, *s) for k, s in shapes.items()}}
+    stack = ([{k: sds(*s) for k, s in shapes.items()} for _ in range(n)] if layers == "unrolled"
+             else {k: sds(n, *s) for k, s in shapes.items()})
+    return {"embed": sds(cfg.vocab, d), "final_norm": sds(d), "layers": stack}
+
+
+def map_layers(fn: Any, layers: Any) -> Any:
+    """`fn(layer_dict)` of a stacked layers dict, or of each of a list of them."""
+    return [fn(layer) for layer in layers] if isinstance(layers, list) else fn(layers)
 
 
 def spec_for(params: dict, method: str) -> dict:
     if method == "full":
         return jax.tree.map(lambda _: lorax.LORA_FULL, params)
-    layer = {k: lorax.LoraSpec(RANK, batch_ndim=1) if k in TARGETS else lorax.LORA_FREEZE
-             for k in params["layers"]}
-    return {"embed": lorax.LORA_FREEZE, "final_norm": lorax.LORA_FREEZE, "layers": layer}
+    batch_ndim = 0 if isinstance(params["layers"], list) else 1
+    layer = lambda names: {  # noqa: E731
+        k: lorax.LoraSpec(RANK, batch_ndim=batch_ndim) if k in TARGETS else lorax.LORA_FREEZE
+        for k in names}
+    return {"embed": lorax.LORA_FREEZE, "final_norm": lorax.LORA_FREEZE,
+            "layers": map_layers(layer, params["layers"])}
 
 
 KQUANTS = ("q2_k", "q3_k", "q4_k", "q5_k", "q6_k")
 
 
-def build(cfg: Any, method: str, dtype: Any) -> tuple[Any, dict]:
+def build(cfg: Any, method: str, dtype: Any, layers: str = "scan") -> tuple[Any, dict]:
     """Abstract parameters for a method (`LoraWeight`s, `QuantizedArray`s), and its spec.
     `qlora-<qtype>`: every frozen matrix quantized (`lorax.quantize`'s rule; K-quants,
-    which only GGUF files carry, as `QuantizedArray.from_gguf` holds them)."""
-    params = abstract_params(cfg, dtype)
+    which only GGUF files carry, as `QuantizedArray.from_gguf` holds them). `layers`: one
+    of `LAYER_LOOPS`."""
+    params = abstract_params(cfg, dtype, layers)
     spec = spec_for(params, method)
     if method.startswith("qlora"):
         qtype = method.split("-")[1]
@@ -165,7 +182,8 @@ def _kquantize(params: dict, spec: dict, qtype: str, dtype: Any) -> dict:
         mins = half if fmt.has_mins else None
         return lorax.QuantizedArray(codes, half, mins, qtype=qtype, block_size=256, axis=axis,
                                     dense_dtype=dtype)
-    layers = {k: one(v, -2) if v.ndim == 3 else v for k, v in params["layers"].items()}
+    layers = map_layers(lambda layer: {k: one(v, -2) if k in TARGETS else v
+                                       for k, v in layer.items()}, params["layers"])
     return dict(params, embed=one(params["embed"], -1), layers=layers)
 
 
@@ -253,13 +271,13 @@ def tp_placed(tree: Any, mesh: Mesh) -> Any:
 
 
 def compile_step(cfg: Any, method: str, dtype: Any, mesh: Mesh | None, seq: int,
-                 per_device: bool = False) -> Any:
+                 per_device: bool = False, layers: str = "scan") -> Any:
     """The jitted Adam step on abstract parameters, compiled. `per_device`: a window per
     device (FSDP's usual batch, split along the batch); else one window, whatever the
     mesh (the single-device job spread over the devices, split along its tokens). A mesh
     with a `tp` axis: Megatron's layout (`tp_placed`), the activations whole along `tp`
-    and a window per `fsdp` group."""
-    params, spec = build(cfg, method, dtype)
+    and a window per `fsdp` group. `layers`: one of `LAYER_LOOPS`."""
+    params, spec = build(cfg, method, dtype, layers)
     tp = mesh is not None and "tp" in mesh.axis_names
     trainable, frozen = lorax.partition(tp_placed(params, mesh) if tp else placed(params, mesh), spec)
     optimizer = optax.adam(1e-4)

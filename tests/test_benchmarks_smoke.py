@@ -177,6 +177,21 @@ def test_offload_quick(tmp_path):
     assert abs(total(host) - total(on_device)) < 1e-9
 
 
+def test_layers_quick(tmp_path):
+    """The tiny Llama compiled with stacked and with unrolled layers: the scanned step
+    slices every layer's weights out of their stacks, the unrolled one none."""
+    from benchmarks import layers
+
+    rows = layers.main(["--quick", "--methods", "qlora-nf4", "--remats", "none",
+                        "--out", str(tmp_path)])
+    scan, unrolled = rows
+    assert (scan["layers"], unrolled["layers"]) == ("scan", "unrolled")
+    # Codes and scales (and the double quantization's scales) of 7 matrices, both passes.
+    assert scan["weight_slices"] >= 2 * 7 * 2 and unrolled["weight_slices"] == 0
+    assert scan["args_gib"] == unrolled["args_gib"]
+    assert "| tiny | qlora-nf4 | none |" in (tmp_path / "layers.md").read_text()
+
+
 # The dense-LoRA cells ask nothing the QLoRA ones do not, at three more compiles: slow.
 @pytest.mark.parametrize("method", ["qlora-nf4", pytest.param("lora", marks=pytest.mark.slow)])
 def test_scale_quick(tmp_path, method):
@@ -221,6 +236,10 @@ def test_accelerator_quick(tmp_path):
     assert 0.99 * host["frozen_gib"] < host["host_gib"] < host["frozen_gib"]
     assert on_device["host_gib"] == 0
     assert host["vs_device"] == host["step_s"] / on_device["step_s"]
+    # Unrolled layers against hand-written LoRA with unrolled layers too.
+    unrolled = [r for r in rows if r["cell"].endswith(":unrolled")]
+    assert [r["layers"] for r in unrolled] == ["unrolled"] * 2
+    assert unrolled[0]["vs_hand"] == unrolled[0]["step_s"] / unrolled[1]["step_s"]
     traces = (tmp_path / "accelerator_traces.json").read_text()
     assert "tiny:lora:1:layer:auto" in traces and "busy_ms" in traces
     md = (tmp_path / "accelerator.md").read_text()
@@ -274,6 +293,24 @@ def test_accelerator_ratios_pair_like_with_like():
     assert lora["vs_hand"] == pytest.approx(1.25) and hand["vs_lora"] == pytest.approx(0.8)
     assert q["vs_lora"] == pytest.approx(1.1) and "vs_lora" not in q_layer  # no dense layer cell
     assert lora["vs_peft"] == pytest.approx(1.25) and "vs_peft" not in lora4  # no PEFT at batch 4
+    # Unrolled layers pair with unrolled layers only (rows from before them: scan).
+    u_lora, u_hand, u_q = accelerator.with_ratios([
+        dict(row("lora", 0.9), layers="unrolled"), dict(row("hand", 0.6), layers="unrolled"),
+        dict(row("qlora-nf4", 2.0), layers="unrolled"), row("hand", 5.0)])[:3]
+    assert u_lora["vs_hand"] == pytest.approx(1.5) and u_q["vs_lora"] == pytest.approx(2.0 / 0.9)
+    assert u_hand["vs_lora"] == pytest.approx(0.6 / 0.9)
+
+
+def test_accelerator_cells_name_their_layer_loop():
+    from benchmarks.accelerator import Cell
+
+    assert Cell.parse("llama-3-8b:lora:1:none:auto").layers == "scan"
+    cell = Cell.parse("llama-3-8b:qlora-nf4:4:none:auto:unrolled")
+    assert (cell.batch, cell.layers, str(cell)) == (4, "unrolled", "llama-3-8b:qlora-nf4:4:none:auto:unrolled")
+    assert str(Cell.parse("llama-3-8b:lora:1:none:auto:scan")) == "llama-3-8b:lora:1:none:auto"
+    for bad in ("llama-3-8b:lora:1:none:auto:looped", "llama-3-8b:lora:1:none:auto:scan:x"):
+        with pytest.raises(ValueError, match="LAYERS one of"):
+            Cell.parse(bad)
 
 
 def test_accelerator_trace_summary_reads_the_gpu_streams_only():

@@ -2,7 +2,9 @@
 
 Written with no LoRA in mind: parameters are a dict of arrays, dense kernels are
 `(in, out)` and the per-layer ones are stacked along a leading layer axis and run
-under `lax.scan`, so one layer is traced and compiled once. Two memory savers any JAX
+under `lax.scan`, so one layer is traced and compiled once; or, as a list of per-layer
+dicts (`unstack_layers`), run one after another, the loop unrolled (see
+`hidden_states` for when that is faster). Two memory savers any JAX
 training script uses: each layer is rematerialised in the backward pass (only its
 input is kept), and the loss goes over the vocabulary in chunks, so the full
 `(batch, seq, vocab)` logits never exist at once.
@@ -168,11 +170,34 @@ def remat(cfg, layer_fn):
 
 
 def hidden_states(cfg: Config, params, tokens):
-    """Final-norm hidden states, (B, T, dim)."""
+    """Final-norm hidden states, (B, T, dim).
+
+    `params["layers"]` stacked (one dict of `(layers, ...)` arrays) runs under `lax.scan`:
+    one layer traced and compiled, whatever the depth. A list of per-layer dicts
+    (`unstack_layers`) runs unrolled: longer to compile, but each layer's matrix products
+    read its weights where they lie. Under `lax.scan` XLA copies every layer's slice out of
+    the stack before a product reads it, and each saved activation into a stack (on an
+    H200, 20 ms of a 160 ms Llama-3-8B step). What unrolling gains on a card is not
+    measured yet, and XLA:CPU loses remat's savings without the loop (docs/gpu.md,
+    "Unrolled layers"). The same values either way.
+    """
     x = params["embed"][tokens]
     step = remat(cfg, lambda x, layer: (block(cfg, x, layer), None))
-    x, _ = lax.scan(step, x, params["layers"])
+    if isinstance(params["layers"], (list, tuple)):
+        for layer in params["layers"]:
+            x, _ = step(x, layer)
+    else:
+        x, _ = lax.scan(step, x, params["layers"])
     return rms_norm(x, params["final_norm"], cfg.norm_eps)
+
+
+def unstack_layers(params):
+    """`params` with its stacked `"layers"` as a list of per-layer dicts, for `hidden_states`'
+    unrolled loop (new arrays: call it once, outside the training step, before
+    `lorax.init_lora` or quantization)."""
+    layers = params["layers"]
+    n = len(jax.tree.leaves(layers)[0])
+    return dict(params, layers=[jax.tree.map(lambda x: x[i], layers) for i in range(n)])
 
 
 def logits(cfg: Config, params, tokens):
