@@ -9,7 +9,10 @@ weights placed in host memory by `lorax.offload_frozen`. From the exported modul
 - every move to the device (`annotate_device_placement`): inside a loop body or not, and
   the bytes it moves. A layer's codes moved inside the layer loop are what streaming
   means; a move outside any loop, or one as large as a whole stack, is the whole stack
-  crossing at once.
+  crossing at once;
+- how many times a step moves all of the layers' codes (the bytes of the in-loop moves
+  of a layer's slice, times the layers, over the stacks' bytes): once in the forward
+  pass and once in the backward pass, whose per-layer recomputation reads the same moves.
 
 The card's figures (peak device memory, step time against the all-on-device step) come
 from `python -m benchmarks.accelerator` with `+host` methods, on a card.
@@ -34,6 +37,7 @@ import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
 
 import lorax  # noqa: E402
+from lorax import _engine  # noqa: E402
 
 from . import _common as C  # noqa: E402
 
@@ -180,24 +184,38 @@ def _typed(x: Any) -> Any:
 
 
 def measure(model: str, offload: bool) -> dict[str, Any]:
-    args, moves = placements(exported_step(model, offload=offload).mlir_module())
+    from . import scale as S
+    # Every rule traced anew, so each product's moves are ops of their own in the module
+    # (a cached body is one function called from several places): counted per call.
+    with _engine.trace_uncached():
+        text = exported_step(model, offload=offload).mlir_module()
+    args, moves = placements(text)
     host = sum(a.nbytes for a in args if a.memory_kind != "device")
     looped = [m for m in moves if m.to == "device" and m.in_loop]
     outside = [m for m in moves if m.to == "device" and not m.in_loop]
+    # Moves of one layer's slice of a stack run once per layer; "passes": how many times
+    # a step moves all of the layers' frozen bytes.
+    cfg = S.config(model, "xla", "layer")
+    stacks = jax.tree.leaves(lorax.partition(*S.build(cfg, "qlora-nf4", jnp.bfloat16))[1]["layers"])
+    slices = {tuple(x.shape[1:]) for x in stacks}
+    per_layer = sum(m.nbytes for m in looped if m.shape in slices)
+    stack_bytes = sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in stacks)
     return dict(model=model, placement="host" if offload else "device",
                 host_args_gib=host / GiB,
                 device_args_gib=sum(a.nbytes for a in args if a.memory_kind == "device") / GiB,
                 moves_in_loops=len(looped),
                 largest_loop_move_mib=max((m.nbytes for m in looped), default=0) / 2**20,
                 moves_outside_loops=len(outside),
-                bytes_outside_loops_gib=sum(m.nbytes for m in outside) / GiB)
+                bytes_outside_loops_gib=sum(m.nbytes for m in outside) / GiB,
+                layer_passes=cfg.n_layers * per_layer / stack_bytes if offload else 0.0)
 
 
 COLUMNS = [("model", "model"), ("placement", "frozen codes"), ("host_args_gib", "host GiB"),
            ("device_args_gib", "device args GiB"), ("moves_in_loops", "moves in loop bodies"),
            ("largest_loop_move_mib", "largest move in a loop, MiB"),
            ("moves_outside_loops", "moves outside loops"),
-           ("bytes_outside_loops_gib", "GiB moved outside loops")]
+           ("bytes_outside_loops_gib", "GiB moved outside loops"),
+           ("layer_passes", "moves of every layer's codes a step")]
 
 
 def markdown(rows: list[dict]) -> str:

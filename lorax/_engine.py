@@ -14,7 +14,7 @@ private surface, and what breaks without it:
 | `quax._primitives._jit_quax_cache`, `_while_quax_cache` | keying quax's caches of re-traced nested bodies on lorax's per-call decisions |
 | `quax._compat.unpack_scan_args`, `scan_bind_params`, `quax._primitives._check_carry_stable` | lorax's own `scan` rule, which keeps each slice's memory space (host offload) |
 | `jax._src.core` (`set_current_trace`, `take_current_trace`, `pvary_p`) | re-entering traces; the `pvary` rule |
-| `jax._src.ad_checkpoint.remat_p` | the `checkpoint` rule |
+| `jax._src.ad_checkpoint.remat_p`, `name_p`; `jax._src.dispatch.device_put_p`; `jax._src.interpreters.partial_eval.Recompute` | the `checkpoint` rule; asking its policy whether it recomputes a move and what a rule names (`recomputed`) |
 | `jax._src.sharding_impls.parse_flatten_op_sharding`, `GSPMDSharding._hlo_sharding` | reading the shardings XLA's partitioner hands the quantized contraction (`_rules/quant_partitioned.py`) |
 | `jax._src.lax.lax.ragged_dot_general_p` | the `ragged_dot` rule (MoE experts; optional: `None` where absent) |
 | `equinox._module._module.jtu` | `LoraWeight`'s own (fast) pytree registration, see `FastPytreeMeta` |
@@ -84,7 +84,9 @@ def _internals_moved(err: Exception) -> ImportError:
 try:
     from jax._src import ad_checkpoint as _ad_checkpoint
     from jax._src import core as _core
+    from jax._src import dispatch as _dispatch
     from jax._src import sharding_impls as _sharding_impls
+    from jax._src.interpreters import partial_eval as _pe
     from equinox._module import _module as _eqx_module
     from quax import _trace as _quax_trace
     from quax import _compat as _quax_compat
@@ -94,6 +96,7 @@ try:
     from jax._src.lax import lax as _lax_internal
 
     remat_p = _ad_checkpoint.remat_p
+    _ad_checkpoint.name_p, _pe.Recompute, _dispatch.device_put_p  # noqa: B018
     pvary_p = _core.pvary_p
     _core.set_current_trace, _core.take_current_trace  # noqa: B018
     _quax_trace._QuaxTrace, _quax_trace._QuaxTracer  # noqa: B018
@@ -354,7 +357,46 @@ _uncached: contextvars.ContextVar[bool] = contextvars.ContextVar("lorax_uncached
 
 def decisions() -> Any:
     """What lorax decides while tracing that the traced program does not record."""
-    return _policy.get(), _mesh.get()
+    return _policy.get(), _mesh.get(), _recomputed.get()
+
+
+# Inside a `jax.checkpoint` body (not inside a `lax.scan` within it) whose policy does not
+# save values named `RECOMPUTED`: the backward pass recomputes the body, so a rule may keep
+# what it read from a frozen weight (a copy moved from host memory) as a residual named
+# so: the recomputation makes it again next to the backward pass that reads it, instead of
+# the backward pass making it a second time. Outside one, residuals are saved (stacked per
+# layer by `lax.scan`), so rules keep the frozen weight itself.
+RECOMPUTED = "lorax_frozen_read"
+_recomputed: contextvars.ContextVar[bool] = contextvars.ContextVar("lorax_recomputed",
+                                                                   default=False)
+
+
+def recomputed() -> bool:
+    """Is this trace inside a `jax.checkpoint` that recomputes values named `RECOMPUTED`?"""
+    return _recomputed.get()
+
+
+def _recomputes(policy: Any) -> bool:
+    """Does `policy` save neither a move to the device nor a value named `RECOMPUTED`?
+    (A policy saving either would keep every layer's moved copy.)"""
+    if policy is None:  # `jax.checkpoint`'s default: nothing saved
+        return True
+    aval = jax.core.ShapedArray((1,), jax.numpy.uint8)
+    try:
+        saved = (policy(_ad_checkpoint.name_p, aval, name=RECOMPUTED),
+                 policy(_dispatch.device_put_p, aval))
+    except Exception:  # noqa: BLE001  (a policy of its own kind: keep the safe choice)
+        return False
+    return all(s is False or s is _pe.Recompute for s in saved)
+
+
+@contextlib.contextmanager
+def _recompute_scope(value: bool) -> Iterator[None]:
+    token = _recomputed.set(value)
+    try:
+        yield
+    finally:
+        _recomputed.reset(token)
 
 
 # The Auto mesh the call's arrays are sharded on, read at `lora()`'s boundary: inside
@@ -462,7 +504,8 @@ def _remat(*args: ArrayValue | ArrayLike, jaxpr: Any, prevent_cse: bool,
     # Re-tracing the body under quax and checkpointing *that* keeps the saved
     # residuals low-rank; `differentiated` is set by JAX's own AD on re-binding.
     body = transform(jexc.jaxpr_as_fun(jexc.ClosedJaxpr(jaxpr, ())))
-    return jax.checkpoint(body, prevent_cse=prevent_cse, policy=policy)(*args)
+    with _recompute_scope(_recomputes(policy)):
+        return jax.checkpoint(body, prevent_cse=prevent_cse, policy=policy)(*args)
 
 
 def _process_custom_vjp_call(self: Any, primitive: Any, fun: Any, fwd: Any, bwd: Any,
@@ -653,8 +696,10 @@ def _scan(*args: ArrayValue | ArrayLike, jaxpr: Any, **params: Any) -> Any:
             _quax_primitives._check_carry_stable(v, out[:len(v)], "lax.scan")
             return out
 
-        traced, out_shape = jax.make_jaxpr(body, return_shape=True)(
-            *c_flat, *v_flat, *map(_slice_aval, x_flat))
+        # A loop's residuals are stacked per iteration, recomputed or not (`recomputed`).
+        with _recompute_scope(False):
+            traced, out_shape = jax.make_jaxpr(body, return_shape=True)(
+                *c_flat, *v_flat, *map(_slice_aval, x_flat))
         # Weakly keyed, as quax's cache: the entry goes with the body's jaxpr.
         ref = weakref.ref(jaxpr, lambda _, key=key: _scan_cache.pop(key, None))
         entry = (ref, traced, jax.tree_util.tree_structure(out_shape))

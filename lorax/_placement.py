@@ -9,6 +9,10 @@ in the forward pass, in a recomputation and in the backward pass alike. The back
 pass keeps the host leaf, not the moved copy: a quantized weight's contraction is a
 `custom_vjp` whose residuals are its leaves, and a dense weight's product recomputes
 its move (`read_frozen`), so `lax.scan` never stacks device copies of every layer.
+Inside a `jax.checkpoint` whose policy recomputes them (`_engine.recomputed`: per-layer
+remat), the moved copy is the residual instead: the backward pass recomputes the layer,
+moving its weights once for the recomputation and the layer's gradient together, where
+keeping the host leaf would move them twice.
 
 XLA:CPU accepts the memory kinds and computes the same values (its host and device
 memory are one); the moves show in a program exported for `cuda` as
@@ -21,6 +25,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+from jax.ad_checkpoint import checkpoint_name
 
 from . import _engine
 
@@ -46,10 +51,14 @@ def read_frozen(product: Callable[..., Any], w: Any, *operands: Any) -> Any:
 
     A `w` in host memory is moved inside a `jax.checkpoint`, so differentiation keeps
     `w` itself for the backward pass and moves it again there, rather than saving the
-    moved copy (per layer, under `lax.scan`: every layer's weight on the device).
+    moved copy (per layer, under `lax.scan`: every layer's weight on the device). Inside
+    a recomputing checkpoint already (`_engine.recomputed`), the moved copy is named for
+    it to recompute, and the backward pass reads the recomputation's.
     """
     if not in_host_memory(w):
         return product(w, *operands)
+    if _engine.recomputed():
+        return product(checkpoint_name(on_device(w), _engine.RECOMPUTED), *operands)
     return jax.checkpoint(lambda w, *ops: product(on_device(w), *ops),
                           prevent_cse=False)(w, *operands)
 

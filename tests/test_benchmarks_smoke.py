@@ -173,6 +173,9 @@ def test_offload_quick(tmp_path):
     assert (tmp_path / "offload.csv").exists() and "| tiny | host |" in (tmp_path / "offload.md").read_text()
     assert on_device["moves_in_loops"] == on_device["host_args_gib"] == 0
     assert host["host_args_gib"] > 0 and host["moves_in_loops"] > 0
+    # Per-layer remat: forward and backward each move every layer once (the recomputation
+    # shares the backward pass's moves).
+    assert host["layer_passes"] == pytest.approx(2.0)
     total = lambda r: r["host_args_gib"] + r["device_args_gib"]  # noqa: E731
     assert abs(total(host) - total(on_device)) < 1e-9
 
@@ -302,7 +305,10 @@ def test_accelerator_ratios_pair_like_with_like():
 
 
 def test_accelerator_cells_name_their_layer_loop():
-    from benchmarks.accelerator import Cell
+    from benchmarks.accelerator import DEFAULT_CELLS, PENDING_CELLS, Cell, cell_args
+
+    for text in (*DEFAULT_CELLS, *PENDING_CELLS):  # every listed cell is one a run takes
+        assert cell_args(text, 1, None)[0] in ("benchmarks._device_step", "benchmarks._peft")
 
     assert Cell.parse("llama-3-8b:lora:1:none:auto").layers == "scan"
     cell = Cell.parse("llama-3-8b:qlora-nf4:4:none:auto:unrolled")

@@ -204,10 +204,72 @@ def test_exported_step_moves_one_layer_per_iteration(remat):
     assert host == sum(np.prod(x.shape) * jnp.dtype(x.dtype).itemsize
                        for x in jax.tree_util.tree_leaves(quantized))
     _check_streaming(args, moves, stacks, stack_shapes)
-    # The backward pass (and, with remat, the recomputation) moves each layer again.
+    # The backward pass moves each layer again (`test_remat_moves_...`: how often).
     codes = max(stacks, key=np.prod)
-    passes = sum(m.shape == codes and m.in_loop for m in moves)
-    assert passes >= 2
+    assert sum(m.shape == codes and m.in_loop for m in moves) >= 2
+
+
+def _moves_of_the_codes(remat: str) -> dict:
+    """Per shape of a layer's codes: the places in the step's loops that move one (each
+    rule's body traced anew, so two projections of one shape count twice)."""
+    abstract, spec = S.build(S.config("tiny", "xla", remat), "qlora-nf4", jnp.bfloat16)
+    codes = {s for s in _stack_slices(lorax.partition(abstract, spec)[1]) if len(s) == 3}
+    with _engine.trace_uncached():
+        _, moves = O.placements(O.exported_step("tiny", remat=remat).mlir_module())
+    return {s: sum(m.shape == s and m.in_loop for m in moves) for s in codes}
+
+
+def test_remat_moves_each_layer_no_more_often_than_no_remat(monkeypatch):
+    # Per-layer remat recomputes each layer in the backward pass; the layer's gradient
+    # reads the recomputation's moved copy, so each layer's codes move once per pass.
+    layer = _moves_of_the_codes("layer")
+    assert layer == _moves_of_the_codes("none")
+    # The control: a gradient keeping the host leaves moves them beside the recomputation.
+    monkeypatch.setattr(_engine, "_recomputes", lambda policy: False)
+    control = _moves_of_the_codes("layer")
+    assert all(control[s] >= n for s, n in layer.items()) and sum(control.values()) > sum(
+        layer.values())
+
+
+def _dense_moves(policy) -> int:
+    """Moves of one layer's dense `up` weight in the loops of the offloaded MLP's gradient,
+    each layer under `jax.checkpoint(policy=policy)`."""
+    params, spec = _mlp_params(None)
+    trainable, frozen = lorax.partition(lorax.offload_frozen(params), spec)
+    x = jax.ShapeDtypeStruct((8, 128), jnp.float32)
+
+    def model(p, x):
+        layer = jax.checkpoint(lambda h, w: (h + jax.nn.gelu(h @ w["up"]) @ w["down"], None),
+                               policy=policy)
+        return jnp.mean(lax.scan(layer, x, p["layers"])[0] ** 2)
+
+    loss = lambda t, f, x: lorax.lora(model)(lorax.combine(t, f), x)  # noqa: E731
+    with _engine.trace_uncached():
+        exported = O.export_for_cuda(jax.grad(loss), trainable, frozen, x)
+    return sum(m.shape == (128, 256) and m.in_loop for m in O.placements(exported.mlir_module())[1])
+
+
+@pytest.mark.parametrize("policy", [None, jax.checkpoint_policies.dots_with_no_batch_dims_saveable])
+def test_a_dense_host_weight_under_remat_moves_once_per_pass(policy, monkeypatch):
+    # Forward, and backward: the gradient reads the recomputation's copy (with `dots`,
+    # nothing of the layer's forward pass is recomputed but the move).
+    assert _dense_moves(policy) == 2
+    if policy is None:  # the control: the product recomputing its own move, nested
+        monkeypatch.setattr(_engine, "_recomputes", lambda policy: False)
+        assert _dense_moves(policy) == 3
+
+
+def test_only_a_policy_saving_neither_moves_nor_the_name_recomputes_them():
+    P = jax.checkpoint_policies
+    for policy in (None, P.nothing_saveable, P.dots_with_no_batch_dims_saveable,
+                   P.save_only_these_names("layer_input"),
+                   P.save_and_offload_only_these_names(  # the example Llama's remat="offload"
+                       names_which_can_be_saved=[], names_which_can_be_offloaded=["layer_input"],
+                       offload_src="device", offload_dst="pinned_host")):
+        assert _engine._recomputes(policy), policy
+    for policy in (P.everything_saveable, P.save_anything_except_these_names(_engine.RECOMPUTED),
+                   P.save_only_these_names(_engine.RECOMPUTED), lambda prim, *a, **k: k["x"]):
+        assert not _engine._recomputes(policy), policy
 
 
 def test_the_streaming_check_fails_a_step_that_moves_whole_stacks():

@@ -194,9 +194,17 @@ def hidden_states(cfg: Config, params, tokens):
 def unstack_layers(params):
     """`params` with its stacked `"layers"` as a list of per-layer dicts, for `hidden_states`'
     unrolled loop (new arrays: call it once, outside the training step, before
-    `lorax.init_lora` or quantization)."""
+    `lorax.init_lora` or quantization). Layers already in a list are returned as they are."""
     layers = params["layers"]
-    n = len(jax.tree.leaves(layers)[0])
+    if isinstance(layers, (list, tuple)):
+        return dict(params, layers=list(layers))
+    paths = jax.tree_util.tree_flatten_with_path(layers)[0]
+    counts = {jax.tree_util.keystr(path): (x.shape[:1] or (None,))[0] for path, x in paths}
+    if len(set(counts.values())) != 1:
+        axes = ", ".join(f"layers{k}: {n}" for k, n in counts.items())
+        raise ValueError(f"unstack_layers: params['layers'] must stack every leaf along one "
+                         f"leading layer axis; their leading axes are {axes}")
+    n = next(iter(counts.values()))
     return dict(params, layers=[jax.tree.map(lambda x: x[i], layers) for i in range(n)])
 
 

@@ -12,7 +12,8 @@ outliving its use:
 - the base contraction is a `custom_vjp` whose residuals are the quantized leaves;
   its backward pass dequantizes again, tied to the incoming cotangent, so it can
   neither be merged with the forward pass's dequantization nor scheduled before it
-  is needed. (`jax.checkpoint` or an `optimization_barrier` do not survive
+  is needed. (Host-resident leaves, inside a `jax.checkpoint` that recomputes them:
+  the residuals are their moved copies, which the recomputation makes anyway.) (`jax.checkpoint` or an `optimization_barrier` do not survive
   XLA:CPU's pipeline: the barrier is expanded, then the two dequantizations are
   merged again.)
 
@@ -32,6 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import Array, lax
+from jax.ad_checkpoint import checkpoint_name
 from jax.typing import ArrayLike
 
 from .. import _engine
@@ -158,40 +160,56 @@ def _gathered_apply(plan: Any, x: Array, leaves: tuple) -> Array:
     return plan.apply(_plan_storage(plan, leaves, x), x)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _qlinear(plan: Any, x: Array, leaves: tuple, aux: tuple = ()) -> Array:
+    """The base op on quantized leaves. Inside a recomputing `jax.checkpoint`
+    (`_engine.recomputed`), host-resident leaves' moved copies are the residuals (the
+    recomputation moves them once for both passes); elsewhere the leaves themselves."""
+    hosts = tuple(map(in_host_memory, leaves))
+    keep = hosts if any(hosts) and _engine.recomputed() else ()
+    return _qlinear_vjp(plan, keep, x, leaves, aux)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _qlinear_vjp(plan: Any, keep: tuple, x: Array, leaves: tuple, aux: tuple = ()) -> Array:
     return _apply(plan, x, leaves, aux)
 
 
-def _qlinear_fwd(plan: Any, x: Array, leaves: tuple, aux: tuple = ()) -> tuple[Array, tuple]:
-    return _apply(plan, x, leaves, aux), (leaves, aux)
+def _qlinear_fwd(plan: Any, keep: tuple, x: Array, leaves: tuple,
+                 aux: tuple = ()) -> tuple[Array, tuple]:
+    if not keep:
+        return _apply(plan, x, leaves, aux), (leaves, aux)
+    moved = tuple(None if m is None else checkpoint_name(on_device(m), _engine.RECOMPUTED)
+                  for m in leaves)
+    return _apply(plan, x, moved, aux), (moved, aux)
 
 
-def _qlinear_bwd(plan: Any, res: tuple, dy: Array) -> tuple[Array, Any, Any]:
+def _qlinear_bwd(plan: Any, keep: tuple, res: tuple, dy: Array) -> tuple[Array, Any, Any]:
     # `aux`: further operands the op is not differentiated in (a ragged_dot's group sizes).
     leaves, aux = res
-    zero = functools.partial(jax.tree_util.tree_map, _zero_cotangent)
+    hosts = keep or tuple(map(in_host_memory, leaves))
+    zeros = tuple(None if x is None else _zero_cotangent(x, h) for x, h in zip(leaves, hosts))
+    zero_aux = jax.tree_util.tree_map(lambda x: _zero_cotangent(x, in_host_memory(x)), aux)
     moved = tuple(map(on_device, leaves))
     if _partitioned(plan, dy):
         t = plan.transposed(dy)
         dx = quantized_contraction(t, dy, moved, functools.partial(_gathered_apply, t))
         dx = dx.astype(plan.x_dtype)
-        return dx, zero(leaves), zero(aux)
+        return dx, zeros, zero_aux
     w = _plan_storage(plan, moved, dy)
     aval = jax.ShapeDtypeStruct(plan.x_shape, plan.x_dtype)
     (dx,) = jax.linear_transpose(lambda x: plan.apply(w, x, *aux), aval)(dy)
-    return dx, zero(leaves), zero(aux)
+    return dx, zeros, zero_aux
 
 
-def _zero_cotangent(x: Array) -> Array:
+def _zero_cotangent(x: Array, host: bool) -> Array:
     if not jnp.issubdtype(x.dtype, jnp.inexact):
         return np.zeros(x.shape, jax.dtypes.float0)
     zero = jnp.zeros(x.shape, x.dtype)
-    # Typed as the leaf, host memory included (the frozen leaf's cotangent is dropped).
-    return jax.device_put(zero, jax.memory.Space.Host) if in_host_memory(x) else zero
+    # Typed as the primal leaf, host memory included (the frozen leaf's cotangent is dropped).
+    return jax.device_put(zero, jax.memory.Space.Host) if host else zero
 
 
-_qlinear.defvjp(_qlinear_fwd, _qlinear_bwd)
+_qlinear_vjp.defvjp(_qlinear_fwd, _qlinear_bwd)
 
 
 def _storage_labels(qa: QuantizedArray, labels: Sequence[int]) -> tuple[int, ...]:

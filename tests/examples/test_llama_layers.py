@@ -42,6 +42,14 @@ def test_unstack_layers_makes_a_list_of_the_slices_and_leaves_the_input_alone():
         jax.tree.map(lambda a, s: np.testing.assert_array_equal(a, s[i]), layer, params["layers"])
     assert flat["embed"] is params["embed"]
     jax.tree.map(np.testing.assert_array_equal, params, before)
+    assert llama.unstack_layers(flat)["layers"] == flat["layers"]  # already a list: as it is
+
+
+def test_unstack_layers_names_a_leaf_without_the_layer_axis():
+    _, params, _ = _model("layer")
+    params["layers"]["mlp_norm"] = params["layers"]["mlp_norm"][0]  # (dim,): not stacked
+    with pytest.raises(ValueError, match=r"layers\['mlp_norm'\]: 48, layers\['o'\]: 3"):
+        llama.unstack_layers(params)
 
 
 @pytest.mark.parametrize("remat", ["layer", "none", "dots"])
