@@ -196,7 +196,8 @@ def measure(model: str, offload: bool) -> dict[str, Any]:
     # Moves of one layer's slice of a stack run once per layer; "passes": how many times
     # a step moves all of the layers' frozen bytes.
     cfg = S.config(model, "xla", "layer")
-    stacks = jax.tree.leaves(lorax.partition(*S.build(cfg, "qlora-nf4", jnp.bfloat16))[1]["layers"])
+    frozen = lorax.offload_frozen(lorax.partition(*S.build(cfg, "qlora-nf4", jnp.bfloat16))[1])
+    stacks = [x for x in jax.tree.leaves(frozen["layers"]) if _in_host(x)]  # (not the norms)
     slices = {tuple(x.shape[1:]) for x in stacks}
     per_layer = sum(m.nbytes for m in looped if m.shape in slices)
     stack_bytes = sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in stacks)

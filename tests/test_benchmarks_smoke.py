@@ -175,7 +175,8 @@ def test_offload_quick(tmp_path):
     assert host["host_args_gib"] > 0 and host["moves_in_loops"] > 0
     # Per-layer remat: forward and backward each move every layer once (the recomputation
     # shares the backward pass's moves).
-    assert host["layer_passes"] == pytest.approx(2.0)
+    # (Within 1e-3: a scalar moved in the loss's loop has a layer scale's shape.)
+    assert host["layer_passes"] == pytest.approx(2.0, rel=1e-3)
     total = lambda r: r["host_args_gib"] + r["device_args_gib"]  # noqa: E731
     assert abs(total(host) - total(on_device)) < 1e-9
 
