@@ -129,6 +129,7 @@ def setup(cfg: Any, method: str, layers: str = "scan") -> tuple[Any, Any, Callab
         keys = iter(jax.random.split(jax.random.PRNGKey(1), cfg.n_layers))
         factors = S.map_layers(lambda layer: hand_factors(layer, next(keys)), dense["layers"])
         S.LLAMA.block = hand_block  # this process runs this one cell
+
         def hand_loss(t: Any, f: Any, w: Any) -> Any:
             fl, tl = f["layers"], t["layers"]
             merged = ([dict(a, **b) for a, b in zip(fl, tl)] if isinstance(fl, list)

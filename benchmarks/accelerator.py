@@ -123,9 +123,9 @@ class Cell(NamedTuple):
         host_ok = base == parts[1] or base.startswith(("lora", "qlora"))
         if (len(parts) not in (5, 6) or base not in METHODS or not host_ok
                 or parts[5:] not in ([], *([x] for x in LAYER_LOOPS))):
-            raise ValueError(f"cell {text!r}: expected MODEL:METHOD:BATCH:REMAT:ATTENTION[:LAYERS] "
-                             f"with METHOD one of {METHODS} (`+host` after a lora or qlora one) "
-                             f"and LAYERS one of {LAYER_LOOPS}")
+            raise ValueError(f"cell {text!r}: expected MODEL:METHOD:BATCH:REMAT:ATTENTION"
+                             f"[:LAYERS] with METHOD one of {METHODS} (`+host` after a lora "
+                             f"or qlora one) and LAYERS one of {LAYER_LOOPS}")
         return cls(parts[0], parts[1], int(parts[2]), *parts[3:])
 
     def __str__(self) -> str:
@@ -240,9 +240,9 @@ def with_rates(row: dict[str, Any], ceiling: dict[str, Any]) -> dict[str, Any]:
 
 def with_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """`vs_peft`: tokens/s over the fastest PyTorch + PEFT cell of the same model and batch;
-    `vs_lora` (QLoRA, hand-written): step time over dense lorax LoRA's, same remat and
-    attention and layers; `vs_hand` (lorax LoRA): over hand-written LoRA's; `vs_device` (a `+host`
-    method): over the same method's with every weight on the device."""
+    `vs_lora` (QLoRA, hand-written): step time over dense lorax LoRA's, same remat,
+    attention and layers; `vs_hand` (lorax LoRA): over hand-written LoRA's; `vs_device` (a
+    `+host` method): over the same method's with every weight on the device."""
     ok = [r for r in rows if "tokens_per_s" in r]
     for r in ok:
         key = (r["model"], r["batch"])

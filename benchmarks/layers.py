@@ -50,7 +50,8 @@ def layer_weight_shapes(cfg: Any, method: str) -> set[tuple[int, ...]]:
     """The shapes of one layer's frozen matrices (a quantized one's codes and scales)."""
     params, _ = S.build(cfg._replace(n_layers=1), method, jnp.bfloat16, "unrolled")
     (layer,) = params["layers"]
-    frozen = [x.w if isinstance(x, lorax.LoraWeight) else x for k, x in layer.items() if k in S.TARGETS]
+    frozen = [x.w if isinstance(x, lorax.LoraWeight) else x
+              for k, x in layer.items() if k in S.TARGETS]
     return {tuple(a.shape) for a in jax.tree.leaves(frozen) if len(a.shape) >= 2}
 
 
@@ -108,8 +109,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                     print(f"[layers] {model} {method} {remat} {layers}: temps "
                           f"{row['temps_gib']:.2f} GiB, {row['weight_slices']} weight slices "
                           f"({row['compile_s']:.0f} s)", flush=True)
-    C.write_results(out, "layers", rows, [markdown(rows), "", f"Compiled for `{rows[0]['platform']}`"
-                    " (XLA:CPU's bf16 figures are high: compare the two columns, not a card)."])
+    note = (f"Compiled for `{rows[0]['platform']}` (XLA:CPU's bf16 figures are high: compare "
+            "the two columns, not a card).")
+    C.write_results(out, "layers", rows, [markdown(rows), "", note])
     return rows
 
 

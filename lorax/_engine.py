@@ -293,16 +293,17 @@ def materialize_policy(policy: MaterializePolicy) -> contextlib.AbstractContextM
     # `__enter__`, and `lora` builds this guard once up front to reject a bad policy.
     if policy not in _POLICIES:
         raise ValueError(f"on_materialize must be one of {_POLICIES}, got {policy!r}.")
-    return _policy_scope(policy)
+    return _scoped(_policy, policy)
 
 
 @contextlib.contextmanager
-def _policy_scope(policy: MaterializePolicy) -> Iterator[None]:
-    token = _policy.set(policy)
+def _scoped(var: contextvars.ContextVar, value: Any) -> Iterator[None]:
+    """`var` set to `value` within the block."""
+    token = var.set(value)
     try:
         yield
     finally:
-        _policy.reset(token)
+        var.reset(token)
 
 
 def _report(name: str, values: Sequence[Any], why: str | None = None) -> None:
@@ -360,12 +361,12 @@ def decisions() -> Any:
     return _policy.get(), _mesh.get(), _recomputed.get()
 
 
-# Inside a `jax.checkpoint` body (not inside a `lax.scan` within it) whose policy does not
-# save values named `RECOMPUTED`: the backward pass recomputes the body, so a rule may keep
-# what it read from a frozen weight (a copy moved from host memory) as a residual named
-# so: the recomputation makes it again next to the backward pass that reads it, instead of
-# the backward pass making it a second time. Outside one, residuals are saved (stacked per
-# layer by `lax.scan`), so rules keep the frozen weight itself.
+# Inside a `jax.checkpoint` body (not inside a `lax.scan` within it) whose policy saves
+# neither moves nor values named `RECOMPUTED`, the backward pass recomputes the body. A
+# rule may then keep what it read from a frozen weight (a copy moved from host memory) as
+# a residual named so: the recomputation makes it again next to the backward pass that
+# reads it, instead of the backward pass making it a second time. Outside one, residuals
+# are saved (stacked per layer by `lax.scan`), so rules keep the frozen weight itself.
 RECOMPUTED = "lorax_frozen_read"
 _recomputed: contextvars.ContextVar[bool] = contextvars.ContextVar("lorax_recomputed",
                                                                    default=False)
@@ -388,15 +389,6 @@ def _recomputes(policy: Any) -> bool:
     except Exception:  # noqa: BLE001  (a policy of its own kind: keep the safe choice)
         return False
     return all(s is False or s is _pe.Recompute for s in saved)
-
-
-@contextlib.contextmanager
-def _recompute_scope(value: bool) -> Iterator[None]:
-    token = _recomputed.set(value)
-    try:
-        yield
-    finally:
-        _recomputed.reset(token)
 
 
 # The Auto mesh the call's arrays are sharded on, read at `lora()`'s boundary: inside
@@ -423,13 +415,8 @@ def current_mesh() -> Any:
     return _mesh.get()
 
 
-@contextlib.contextmanager
-def mesh_scope(mesh: Any) -> Iterator[None]:
-    token = _mesh.set(mesh)
-    try:
-        yield
-    finally:
-        _mesh.reset(token)
+def mesh_scope(mesh: Any) -> contextlib.AbstractContextManager[None]:
+    return _scoped(_mesh, mesh)
 
 
 @contextlib.contextmanager
@@ -504,7 +491,7 @@ def _remat(*args: ArrayValue | ArrayLike, jaxpr: Any, prevent_cse: bool,
     # Re-tracing the body under quax and checkpointing *that* keeps the saved
     # residuals low-rank; `differentiated` is set by JAX's own AD on re-binding.
     body = transform(jexc.jaxpr_as_fun(jexc.ClosedJaxpr(jaxpr, ())))
-    with _recompute_scope(_recomputes(policy)):
+    with _scoped(_recomputed, _recomputes(policy)):
         return jax.checkpoint(body, prevent_cse=prevent_cse, policy=policy)(*args)
 
 
@@ -697,7 +684,7 @@ def _scan(*args: ArrayValue | ArrayLike, jaxpr: Any, **params: Any) -> Any:
             return out
 
         # A loop's residuals are stacked per iteration, recomputed or not (`recomputed`).
-        with _recompute_scope(False):
+        with _scoped(_recomputed, False):
             traced, out_shape = jax.make_jaxpr(body, return_shape=True)(
                 *c_flat, *v_flat, *map(_slice_aval, x_flat))
         # Weakly keyed, as quax's cache: the entry goes with the body's jaxpr.

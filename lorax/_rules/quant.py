@@ -12,10 +12,11 @@ outliving its use:
 - the base contraction is a `custom_vjp` whose residuals are the quantized leaves;
   its backward pass dequantizes again, tied to the incoming cotangent, so it can
   neither be merged with the forward pass's dequantization nor scheduled before it
-  is needed. (Host-resident leaves, inside a `jax.checkpoint` that recomputes them:
-  the residuals are their moved copies, which the recomputation makes anyway.) (`jax.checkpoint` or an `optimization_barrier` do not survive
+  is needed. (`jax.checkpoint` or an `optimization_barrier` do not survive
   XLA:CPU's pipeline: the barrier is expanded, then the two dequantizations are
-  merged again.)
+  merged again.) Host-resident leaves inside a `jax.checkpoint` that recomputes
+  them are the exception: the residuals are their moved copies, which the
+  recomputation makes anyway.
 
 The weight is frozen: its cotangents are zero, and forward-mode differentiation
 through the base contraction is not defined (a `custom_vjp`).
