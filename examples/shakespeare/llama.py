@@ -4,7 +4,7 @@ Written with no LoRA in mind: parameters are a dict of arrays, dense kernels are
 `(in, out)` and the per-layer ones are stacked along a leading layer axis and run
 under `lax.scan`, so one layer is traced and compiled once; or, as a list of per-layer
 dicts (`unstack_layers`), run one after another, the loop unrolled (see
-`hidden_states` for when that is faster). Two memory savers any JAX
+`hidden_states` for what that trades). Two memory savers any JAX
 training script uses: each layer is rematerialised in the backward pass (only its
 input is kept), and the loss goes over the vocabulary in chunks, so the full
 `(batch, seq, vocab)` logits never exist at once.
