@@ -149,8 +149,8 @@ def _partitioned(plan: Any, x: Array) -> bool:
 
 
 def _apply(plan: Any, x: Array, leaves: tuple, aux: tuple) -> Array:
-    # Inside the custom_vjp: the residuals stay the leaves where they live (host memory
-    # too), and the backward pass moves them again.
+    # Inside the custom_vjp, so its residuals are what `_qlinear` chose (the leaves where
+    # they live, or inside a recomputing checkpoint their moved copies), not this move.
     leaves = tuple(map(on_device, leaves))
     if _partitioned(plan, x):
         return quantized_contraction(plan, x, leaves, functools.partial(_gathered_apply, plan))
