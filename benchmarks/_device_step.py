@@ -10,6 +10,7 @@ Prints one line, `RESULT {json}`.
 from __future__ import annotations
 
 import argparse
+import functools
 import gzip
 import json
 import os
@@ -31,6 +32,7 @@ from . import scale as S
 from .accelerator import GiB, Cell
 
 DTYPE = jnp.bfloat16
+HOST_BLOCK = 1 << 26  # bytes of fresh random codes per host leaf (`_host_fill`)
 
 
 # -- parameters on the device ------------------------------------------------------------------
@@ -51,7 +53,11 @@ def _host_fill(sds: Any, seed: int, scale: bool) -> Any:
     stack is never whole on the device, not even while it is made."""
     rng, dt = np.random.default_rng(seed), jnp.dtype(sds.dtype)
     if jnp.issubdtype(dt, jnp.integer):
-        x = np.frombuffer(rng.bytes(int(np.prod(sds.shape)) * dt.itemsize), dt).reshape(sds.shape)
+        # One random block repeated: NumPy's generator made ~0.3 GB/s on the card's host, so
+        # 70B's 33 GiB of codes drawn whole took 100 s of device time; a code's value does not set the speed.
+        n = int(np.prod(sds.shape)) * dt.itemsize
+        x = _repeated(np.frombuffer(rng.bytes(min(n, HOST_BLOCK)), np.uint8), n)
+        x = x.view(dt).reshape(sds.shape)
     elif scale:
         x = (1e-3 * (1 + rng.random(sds.shape, np.float32))).astype(dt)
     else:
@@ -60,32 +66,42 @@ def _host_fill(sds: Any, seed: int, scale: bool) -> Any:
     return jax.device_put(x, host)
 
 
+def _repeated(block: np.ndarray, n: int) -> np.ndarray:
+    """`np.resize(block, n)` at copy speed (a broadcast store, not concatenated copies)."""
+    x, whole = np.empty(n, block.dtype), n - n % block.size
+    x[:whole].reshape(-1, block.size)[:] = block
+    x[whole:] = block[:n - whole]
+    return x
+
+
 def materialise(abstract: Any, seed: int = 0, frozen_on_host: bool = False) -> Any:
-    """Random arrays of an abstract tree, made on the device by one jitted function
+    """Random arrays of an abstract tree, each leaf made on the device by a jitted fill
     (`QuantizedArray` leaves as codes and scales, so no dense weight is made for them).
     `frozen_on_host`: each `LoraWeight`'s `w` and each bare `QuantizedArray` made in host
     memory instead (what `lorax.offload_frozen` would have put there)."""
     is_q = lambda x: isinstance(x, lorax.QuantizedArray)  # noqa: E731
     paths, treedef = jax.tree_util.tree_flatten_with_path(abstract, is_leaf=is_q)
-    on_host = [frozen_on_host and (is_q(node) or any(getattr(k, "name", None) == "w" for k in path))
-               for path, node in paths]
+    key = jax.random.PRNGKey(seed)
 
-    def values(i: int, node: Any, fill: Callable) -> Any:
+    def values(i: int, path: Any, node: Any) -> Any:
+        host = frozen_on_host and (is_q(node) or any(getattr(k, "name", None) == "w" for k in path))
         leaves, tree = jax.tree.flatten(node)  # a QuantizedArray's codes and scales
-        return jax.tree.unflatten(tree, [fill(s, (i, j), is_q(node)) for j, s in enumerate(leaves)])
+        return jax.tree.unflatten(tree, [
+            _host_fill(s, (seed, i, j), is_q(node)) if host else _device_fill(
+                jax.random.fold_in(jax.random.fold_in(key, i), j), tuple(s.shape),
+                jnp.dtype(s.dtype), is_q(node))
+            for j, s in enumerate(leaves)])
 
-    def make() -> list:
-        key = jax.random.PRNGKey(seed)
-        fill = lambda s, ij, scale: _fill(  # noqa: E731
-            s, jax.random.fold_in(jax.random.fold_in(key, ij[0]), ij[1]), scale)
-        return [None if host else values(i, node, fill)
-                for i, ((_, node), host) in enumerate(zip(paths, on_host))]
-
-    out = jax.jit(make)()
-    host_fill = lambda s, ij, scale: _host_fill(s, (seed, *ij), scale)  # noqa: E731
-    out = [values(i, node, host_fill) if host else x
-           for i, ((_, node), host, x) in enumerate(zip(paths, on_host, out))]
+    out = [values(i, path, node) for i, (path, node) in enumerate(paths)]
     return jax.tree_util.tree_unflatten(treedef, out)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
+def _device_fill(key: Any, shape: tuple, dtype: Any, scale: bool) -> Any:
+    # One program per leaf signature, not one for the whole tree: unrolled layers' hundreds
+    # of leaves in one program took XLA:GPU over 5 minutes to compile (an H200, jax 0.11.2);
+    # each layer's leaves share their signatures, so a model compiles a handful.
+    return _fill(jax.ShapeDtypeStruct(shape, dtype), key, scale)
 
 
 # -- the methods -------------------------------------------------------------------------------
@@ -202,7 +218,8 @@ def run(cell: Cell, steps: int, trace: Path | None) -> dict[str, Any]:
                xla_flags=os.environ.get("XLA_FLAGS", ""),
                step_s=statistics.median(timed), step_s_all=[round(t, 4) for t in times],
                tokens_per_s=cell.batch * seq / statistics.median(timed),
-               peak_gib=_in_use("peak_bytes_in_use") / GiB, losses=[round(v, 4) for v in losses],
+               peak_gib=_in_use("peak_bytes_in_use") / GiB,
+               bytes_limit_gib=_in_use("bytes_limit") / GiB, losses=[round(v, 4) for v in losses],
                finite=all(v == v and abs(v) != float("inf") for v in losses))
     if trace is not None:
         row["trace"] = profile(lambda: compiled(trainable, frozen, state, windows),
@@ -290,7 +307,16 @@ def ceiling(n: int = 8192, reps: int = 20) -> dict[str, Any]:
         times.append((time.perf_counter() - t0) / 10)
     return {"ceiling_tflops": 2 * n**3 / statistics.median(times) / 1e12, "n": n,
             "device": jax.devices()[0].device_kind, "platform": jax.default_backend(),
-            "jax": jax.__version__}
+            "jax": jax.__version__, **device_memory()}
+
+
+def device_memory() -> dict[str, float]:
+    """The card's memory, GiB: the allocator's limit over the share of the card it was
+    given (JAX's default .75), where the device reports a limit (a GPU; not the CPU)."""
+    limit = (jax.devices()[0].memory_stats() or {}).get("bytes_limit")
+    share = os.environ.get("XLA_CLIENT_MEM_FRACTION") or os.environ.get(
+        "XLA_PYTHON_CLIENT_MEM_FRACTION") or ".75"
+    return {"device_memory_gib": limit / float(share) / GiB} if limit else {}
 
 
 def main(argv: list[str] | None = None) -> None:

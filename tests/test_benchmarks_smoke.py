@@ -9,7 +9,10 @@ import sys
 from pathlib import Path
 
 import jax
+import numpy as np
 import pytest
+
+import lorax
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
@@ -318,6 +321,58 @@ def test_accelerator_cells_name_their_layer_loop():
     for bad in ("llama-3-8b:lora:1:none:auto:looped", "llama-3-8b:lora:1:none:auto:scan:x"):
         with pytest.raises(ValueError, match="LAYERS one of"):
             Cell.parse(bad)
+
+
+def test_device_step_fills_unrolled_layers_with_one_program_per_leaf_signature():
+    """Unrolled layers' leaves are filled by programs shared across layers (one program for
+    the whole tree did not compile in 5 minutes on a GPU), with the values a fill of that
+    leaf's own key gives."""
+    import jax
+    import jax.numpy as jnp
+
+    from benchmarks import _device_step as D, scale as S
+
+    cfg = S.config("tiny")
+    counts = {}
+    for n_layers in (2, 6):
+        D._device_fill.clear_cache()
+        abstract, _ = S.build(cfg._replace(n_layers=n_layers), "qlora-nf4", jnp.bfloat16, "unrolled")
+        params = D.materialise(abstract)
+        counts[n_layers] = D._device_fill._cache_size()
+    assert counts[2] == counts[6] > 1  # per signature, not per layer
+    paths = jax.tree_util.tree_flatten_with_path(
+        abstract, is_leaf=lambda x: isinstance(x, lorax.QuantizedArray))[0]
+    i, (path, node) = next((i, pn) for i, pn in enumerate(paths)
+                           if isinstance(pn[1], lorax.QuantizedArray))
+    made = jax.tree_util.tree_leaves(params, is_leaf=lambda x: isinstance(x, lorax.QuantizedArray))[i]
+    key = jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(0), i), 0)
+    want = D._fill(jax.tree.leaves(node)[0], key, True)
+    assert jnp.array_equal(jax.tree.leaves(made)[0], want)
+    block = np.arange(7, dtype=np.uint8)  # host codes: one random block repeated
+    for n in (3, 7, 23):
+        assert np.array_equal(D._repeated(block, n), np.resize(block, n))
+
+
+def test_accelerator_host_cap_holds_only_host_cells_to_a_smaller_card(monkeypatch):
+    from benchmarks import accelerator
+
+    monkeypatch.delenv("XLA_CLIENT_MEM_FRACTION", raising=False)
+    caps = accelerator.host_caps("llama-3-70b=22,llama-3-8b=4")
+    assert caps == {"llama-3-70b": 22.0, "llama-3-8b": 4.0}
+    card = {"device_memory_gib": 140.0}
+    assert accelerator.cap_env("llama-3-70b:qlora-nf4+host:1:layer:auto", caps, card) == {
+        "XLA_PYTHON_CLIENT_MEM_FRACTION": f"{22 / 140:.4f}"}
+    # the same step on the device, a model without a cap, the CPU (no card size): no cap
+    assert accelerator.cap_env("llama-3-70b:qlora-nf4:1:layer:auto", caps, card) == {}
+    assert accelerator.cap_env("llama-3.2-1b:lora+host:1:layer:auto", caps, card) == {}
+    assert accelerator.cap_env("llama-3-8b:qlora-nf4+host:1:layer:auto", caps, {}) == {}
+    monkeypatch.setenv("XLA_CLIENT_MEM_FRACTION", ".9")  # JAX refuses both names set
+    assert accelerator.cap_env("llama-3-8b:lora+host:1:layer:auto", caps, card) == {
+        "XLA_CLIENT_MEM_FRACTION": f"{4 / 140:.4f}"}
+    with pytest.raises(ValueError, match="--host-cap 'llama-3-70b:22': expected MODEL=GIB"):
+        accelerator.host_caps("llama-3-70b:22")
+    label = accelerator._method(dict(method="qlora-nf4+host", mem_cap_gib=22.0))
+    assert label == "qlora-nf4+host (card held to 22 GiB)"
 
 
 def test_accelerator_trace_summary_reads_the_gpu_streams_only():
