@@ -272,6 +272,11 @@ def summarise(trace: dict, top: int = 12) -> dict[str, Any]:
     by_kind: dict[str, float] = {}
     for name, ms in by_kernel.items():
         by_kind[kind_of(name)] = by_kind.get(kind_of(name), 0.0) + ms
+    # Which stream ran the copies says whether they could overlap the computation.
+    by_stream: dict[str, dict[str, float]] = {}
+    for e in spans:
+        kinds = by_stream.setdefault(names.get((e.get("pid"), e.get("tid")), "?")[:60], {})
+        kinds[kind_of(e.get("name", "?"))] = kinds.get(kind_of(e.get("name", "?")), 0.0) + e.get("dur", 0) / 1e3
     longest = sorted(by_kernel.items(), key=lambda kv: -kv[1])[:top]
     threads: dict[str, float] = {}  # what the trace holds, to check the choice above
     for e in (e for e in events if e.get("ph") == "X"):
@@ -282,6 +287,8 @@ def summarise(trace: dict, top: int = 12) -> dict[str, Any]:
                                  key=lambda kv: -kv[1])[:10],
             "busy_ms": round(sum(by_kernel.values()), 2),
             "by_kind_ms": {k: round(v, 2) for k, v in sorted(by_kind.items())},
+            "by_stream_ms": {t: {k: round(v, 2) for k, v in sorted(kinds.items())}
+                             for t, kinds in by_stream.items()},
             "longest_ms": [[n[:120], round(ms, 2)] for n, ms in longest]}
 
 

@@ -389,10 +389,14 @@ def test_accelerator_trace_summary_reads_the_gpu_streams_only():
         span(1, 14, "nvjet_sm90_tst_128x128_NNT", 3000), span(1, 14, "gemm_fusion_dot_5", 1000),
         span(1, 14, "cudnn_generated_fort_native_sdpa_sm90_flash_fprop", 500),
         span(1, 14, "memcpy128", 250), span(1, 14, "loop_add_fusion", 250),
+        meta("M", 1, 70, "Stream #70(MemcpyH2D)", "thread_name"), span(1, 70, "MemcpyH2D", 500),
         span(1, 3, "fusion.12", 9999), span(2, 7, "PjitFunction(step)", 9999)]}
     s = _device_step.summarise(trace)
-    assert s["device_events"] == "gpu streams" and s["busy_ms"] == 5.0
-    assert s["by_kind_ms"] == {"matmul": 4.0, "attention": 0.5, "copy": 0.25, "other": 0.25}
+    assert s["device_events"] == "gpu streams" and s["busy_ms"] == 5.5
+    assert s["by_kind_ms"] == {"matmul": 4.0, "attention": 0.5, "copy": 0.75, "other": 0.25}
+    assert s["by_stream_ms"] == {  # a copy stream's copies apart from the compute stream's
+        "Stream #14(Compute)": {"attention": 0.5, "copy": 0.25, "matmul": 4.0, "other": 0.25},
+        "Stream #70(MemcpyH2D)": {"copy": 0.5}}
     assert s["longest_ms"][0] == ["nvjet_sm90_tst_128x128_NNT", 3.0]
 
 
