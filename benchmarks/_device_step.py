@@ -54,7 +54,8 @@ def _host_fill(sds: Any, seed: int, scale: bool) -> Any:
     rng, dt = np.random.default_rng(seed), jnp.dtype(sds.dtype)
     if jnp.issubdtype(dt, jnp.integer):
         # One random block repeated: NumPy's generator made ~0.3 GB/s on the card's host, so
-        # 70B's 33 GiB of codes drawn whole took 100 s of device time; a code's value does not set the speed.
+        # 70B's 33 GiB of codes drawn whole took 100 s of device time, and a code's value
+        # does not change the step's speed.
         n = int(np.prod(sds.shape)) * dt.itemsize
         x = _repeated(np.frombuffer(rng.bytes(min(n, HOST_BLOCK)), np.uint8), n)
         x = x.view(dt).reshape(sds.shape)
@@ -276,7 +277,8 @@ def summarise(trace: dict, top: int = 12) -> dict[str, Any]:
     by_stream: dict[str, dict[str, float]] = {}
     for e in spans:
         kinds = by_stream.setdefault(names.get((e.get("pid"), e.get("tid")), "?")[:60], {})
-        kinds[kind_of(e.get("name", "?"))] = kinds.get(kind_of(e.get("name", "?")), 0.0) + e.get("dur", 0) / 1e3
+        kind = kind_of(e.get("name", "?"))
+        kinds[kind] = kinds.get(kind, 0.0) + e.get("dur", 0) / 1e3
     longest = sorted(by_kernel.items(), key=lambda kv: -kv[1])[:top]
     threads: dict[str, float] = {}  # what the trace holds, to check the choice above
     for e in (e for e in events if e.get("ph") == "X"):
