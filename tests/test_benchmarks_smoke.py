@@ -327,7 +327,6 @@ def test_device_step_fills_unrolled_layers_with_one_program_per_leaf_signature()
     """Unrolled layers' leaves are filled by programs shared across layers (one program for
     the whole tree did not compile in 5 minutes on a GPU), with the values a fill of that
     leaf's own key gives."""
-    import jax
     import jax.numpy as jnp
 
     from benchmarks import _device_step as D, scale as S
