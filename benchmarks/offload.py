@@ -18,13 +18,19 @@ The card's figures (peak device memory, step time against the all-on-device step
 from `python -m benchmarks.accelerator` with `+host` methods, on a card.
 
     python -m benchmarks.offload [--models llama-3-8b,llama-3-70b] [--out DIR] [--quick]
+    python -m benchmarks.offload --check    # host codes against on-device codes: the values
+
+`--check` runs the tiny QLoRA step both ways on the default device and compares the loss,
+gradients and updated factors (a card's run checks XLA's GPU flags with it: `scripts/card`).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -42,6 +48,10 @@ from lorax import _engine  # noqa: E402
 from . import _common as C  # noqa: E402
 
 GiB = 2**30
+# `--check`: float32 values of the same arithmetic. Kernels a GPU compiler picks per
+# program (autotuning) round differently, far below this; codes of the wrong layer, or
+# half copied, change values at order one.
+CHECK_TOLERANCE = 1e-3
 
 
 # -- reading an exported module -------------------------------------------------------------
@@ -135,20 +145,21 @@ def _arguments(main: Any) -> list[Argument]:
 # -- the step at model shapes ---------------------------------------------------------------
 
 
-def exported_step(model: str, method: str = "qlora-nf4", offload: bool = True,
-                  remat: str = "layer") -> Any:
-    """`benchmarks.scale`'s Adam step for `model`, exported for `cuda` from abstract
-    arguments (nothing allocated), its frozen half in host memory if `offload`."""
+def abstract_step(model: str, method: str = "qlora-nf4", offload: bool = True,
+                  remat: str = "layer", layers: str = "scan",
+                  attention: str = "xla") -> tuple[Callable, tuple]:
+    """`benchmarks.scale`'s Adam step for `model` and its abstract arguments (nothing
+    allocated), its frozen half in host memory if `offload`. (cuDNN's attention needs
+    cuDNN, so JAX's CUDA plugin, to lower: `xla` by default.)"""
     from . import scale as S
-    cfg = S.config(model, "xla", remat)  # cuDNN's attention needs cuDNN to export
-    abstract, spec = S.build(cfg, method, jnp.bfloat16)
+    cfg = S.config(model, attention, remat)
+    abstract, spec = S.build(cfg, method, jnp.bfloat16, layers)
     trainable, frozen = lorax.partition(abstract, spec)
     if offload:
         frozen = lorax.offload_frozen(frozen)
     optimizer = optax.adam(1e-4)
     state = jax.eval_shape(optimizer.init, trainable)
-    seq = S.MODELS[model][-1]
-    windows = jax.ShapeDtypeStruct((1, seq + 1), jnp.int32)
+    windows = jax.ShapeDtypeStruct((1, S.MODELS[model][-1] + 1), jnp.int32)
     apply = lorax.lora(lambda p, w: S.LLAMA.loss(cfg, p, w), on_materialize="allow")
 
     def step(trainable: Any, frozen: Any, opt_state: Any, windows: Any) -> tuple:
@@ -157,7 +168,14 @@ def exported_step(model: str, method: str = "qlora-nf4", offload: bool = True,
         updates, opt_state = optimizer.update(grads, opt_state, trainable)
         return optax.apply_updates(trainable, updates), opt_state, value
 
-    return export_for_cuda(step, trainable, frozen, state, windows)
+    return step, (trainable, frozen, state, windows)
+
+
+def exported_step(model: str, method: str = "qlora-nf4", offload: bool = True,
+                  remat: str = "layer") -> Any:
+    """`abstract_step`'s step exported for `cuda`."""
+    step, args = abstract_step(model, method, offload, remat)
+    return export_for_cuda(step, *args)
 
 
 def export_for_cuda(fn: Any, *args: Any) -> Any:
@@ -211,6 +229,53 @@ def measure(model: str, offload: bool) -> dict[str, Any]:
                 layer_passes=cfg.n_layers * per_layer / stack_bytes if offload else 0.0)
 
 
+# -- the values: host codes against the device's ----------------------------------------------
+
+
+def llama_step_values(cfg: Any, method: str, offload: bool) -> tuple:
+    """(loss, factor gradients, updated factors) of one Adam step of the example Llama
+    `cfg` in float32 (random values made the same way for either placement), its frozen
+    weights in host memory if `offload`."""
+    from . import scale as S
+    abstract, spec = S.build(cfg, method, jnp.float32)
+    leaves, treedef = jax.tree_util.tree_flatten(abstract)
+    keys = jax.random.split(jax.random.PRNGKey(0), len(leaves))
+    values = [jax.random.randint(k, s.shape, 0, 255).astype(s.dtype)
+              if jnp.issubdtype(s.dtype, jnp.integer)
+              else 0.02 * jax.random.normal(k, s.shape, s.dtype) + (0.01 if s.ndim < 2 else 0)
+              for k, s in zip(keys, leaves)]
+    trainable, frozen = lorax.partition(jax.tree_util.tree_unflatten(treedef, values), spec)
+    if offload:
+        frozen = lorax.offload_frozen(frozen)
+    windows = jax.random.randint(jax.random.PRNGKey(1), (2, 33), 0, cfg.vocab)
+    apply = lorax.lora(lambda p, w: S.LLAMA.loss(cfg, p, w), on_materialize="error")
+    opt = optax.adam(1e-3)
+
+    @jax.jit
+    def step(t: Any, f: Any, state: Any) -> tuple:
+        value, g = jax.value_and_grad(lambda t: apply(lorax.combine(t, f), windows))(t)
+        updates, state = opt.update(g, state, t)
+        return value, g, optax.apply_updates(t, updates)
+
+    return step(trainable, frozen, opt.init(trainable))
+
+
+def check_values(remat: str = "layer") -> dict[str, Any]:
+    """The tiny example Llama's QLoRA step (nf4, double quantization) with its codes in
+    host memory against the same step all on the device, on the default device: the
+    largest difference of the loss, the gradients and the updated factors, relative to
+    the largest value of each (0.0 everywhere: bit for bit)."""
+    from . import scale as S
+    cfg = S.LLAMA.Config(2, 128, 256, 4, 2, 5e5, 1e-5, 512, attention="xla", remat=remat)
+    host = llama_step_values(cfg, "qlora-nf4", offload=True)
+    device = llama_step_values(cfg, "qlora-nf4", offload=False)
+    rel = [float(jnp.max(jnp.abs(h - d)) / jnp.maximum(jnp.max(jnp.abs(d)), 1e-30))
+           for h, d in zip(jax.tree_util.tree_leaves(host), jax.tree_util.tree_leaves(device))]
+    return dict(device=str(jax.devices()[0].device_kind), remat=remat,
+                bit_for_bit=max(rel) == 0.0, max_relative_difference=max(rel),
+                finite=bool(all(jnp.all(jnp.isfinite(x)) for x in jax.tree_util.tree_leaves(host))))
+
+
 COLUMNS = [("model", "model"), ("placement", "frozen codes"), ("host_args_gib", "host GiB"),
            ("device_args_gib", "device args GiB"), ("moves_in_loops", "moves in loop bodies"),
            ("largest_loop_move_mib", "largest move in a loop, MiB"),
@@ -233,7 +298,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--models", default="llama-3-8b,llama-3-70b")
     parser.add_argument("--out", default=None)
     parser.add_argument("--quick", action="store_true", help="the tiny model only (CI)")
+    parser.add_argument("--check", action="store_true",
+                        help="run the tiny step both ways on this device and compare its values")
     args = parser.parse_args(argv)
+    if args.check:
+        result = check_values()
+        print("CHECK " + json.dumps(result), flush=True)
+        if not (result["finite"] and result["max_relative_difference"] <= CHECK_TOLERANCE):
+            raise SystemExit("host-resident codes changed the step's values")
+        return [result]
     models = ["tiny"] if args.quick else args.models.split(",")
     rows = [measure(m, offload) for m in models for offload in (False, True)]
     out = C.out_dir(args.out)

@@ -100,6 +100,10 @@ def offload_frozen(params: Any, *, memory_kind: str = HOST) -> Any:
     embeddings) stay where they are. New arrays are made: `params`' own buffers are
     neither changed nor deleted, so drop your references to them to free the
     device memory they hold. Each array keeps its sharding, in the other memory.
+    For XLA to move the next layer's codes while a layer computes (its
+    `xla_gpu_enable_pipelined_host_offloading`), a scanned layer under `jax.checkpoint`
+    needs `prevent_cse=False`: the default's barrier keeps the backward loop waiting for
+    each layer's copy (docs/qlora.md, "Overlap").
 
     **Arguments:**
 

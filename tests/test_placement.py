@@ -12,7 +12,6 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 from jax import lax
 
@@ -125,40 +124,35 @@ def test_offloaded_step_equals_the_on_device_step_bit_for_bit(qtype, remat):
     assert "devices=(MemorySpace.Device,)" in str(jaxpr)
 
 
-def _llama_step(cfg, method: str, offload: bool):
-    abstract, spec = S.build(cfg, method, jnp.float32)
-    leaves, treedef = jax.tree_util.tree_flatten(abstract)
-    keys = jax.random.split(jax.random.PRNGKey(0), len(leaves))
-    values = [jax.random.randint(k, s.shape, 0, 255).astype(s.dtype)
-              if jnp.issubdtype(s.dtype, jnp.integer)
-              else 0.02 * jax.random.normal(k, s.shape, s.dtype) + (0.01 if s.ndim < 2 else 0)
-              for k, s in zip(keys, leaves)]
-    trainable, frozen = lorax.partition(jax.tree_util.tree_unflatten(treedef, values), spec)
-    if offload:
-        frozen = lorax.offload_frozen(frozen)
-    windows = jax.random.randint(jax.random.PRNGKey(1), (2, 33), 0, cfg.vocab)
-    apply = lorax.lora(lambda p, w: S.LLAMA.loss(cfg, p, w), on_materialize="error")
-    opt = optax.adam(1e-3)
-
-    @jax.jit
-    def step(t, f, state):
-        value, g = jax.value_and_grad(lambda t: apply(lorax.combine(t, f), windows))(t)
-        updates, state = opt.update(g, state, t)
-        return value, g, optax.apply_updates(t, updates)
-
-    return step(trainable, frozen, opt.init(trainable))
-
-
 # Without remat the residuals' path is the MLP tests' (above); here it only adds compiles.
 @pytest.mark.parametrize("remat", ["layer", pytest.param("none", marks=pytest.mark.slow)])
 def test_llama_qlora_step_with_host_codes_equals_the_on_device_step(remat):
     # The example Llama (the recipe the docs show), a tiny one: its seven projections
     # and the tied embedding are nf4 codes with double quantization, in host memory.
     cfg = S.LLAMA.Config(2, 128, 256, 4, 2, 5e5, 1e-5, 512, attention="xla", remat=remat)
-    on_device = _llama_step(cfg, "qlora-nf4", offload=False)
-    offloaded = _llama_step(cfg, "qlora-nf4", offload=True)
+    on_device = O.llama_step_values(cfg, "qlora-nf4", offload=False)
+    offloaded = O.llama_step_values(cfg, "qlora-nf4", offload=True)
     jax.tree_util.tree_map(np.testing.assert_array_equal, offloaded, on_device)
     assert np.isfinite(float(on_device[0]))
+
+
+def test_the_card_s_value_check_compares_the_two_placements(monkeypatch):
+    # `python -m benchmarks.offload --check` (scripts/card runs it under XLA's pipelined
+    # host offloading): the same comparison, on the default device.
+    result = O.check_values()
+    assert result["bit_for_bit"] and result["finite"]
+    assert result["max_relative_difference"] == 0.0
+    # The control: gradients off by one per cent are found and fail the run.
+    values = O.llama_step_values
+
+    def off(cfg, method, offload):
+        loss, grads, new = values(cfg, method, offload)
+        return loss, jax.tree_util.tree_map(lambda g: g * (1 + 1e-2 * offload), grads), new
+
+    monkeypatch.setattr(O, "llama_step_values", off)
+    assert O.check_values()["max_relative_difference"] == pytest.approx(1e-2, rel=1e-2)
+    with pytest.raises(SystemExit, match="changed the step's values"):
+        O.main(["--check"])
 
 
 # -- the step: where it moves data -----------------------------------------------------------

@@ -109,7 +109,7 @@ def chunked_attention(q, k, v, *, window: int | None = None, scale: float | None
         return attend(q, jnp.arange(t)).reshape(b, t, h * d)
     n, size = t // QUERY_CHUNK, QUERY_CHUNK
     chunks = jnp.moveaxis(q.reshape(b, size, n, h, d), 2, 0)  # chunk i: queries i, i + n, ...
-    one = jax.checkpoint(lambda c: attend(c[0], jnp.arange(size) * n + c[1]))
+    one = jax.checkpoint(lambda c: attend(c[0], jnp.arange(size) * n + c[1]), prevent_cse=False)
     out = lax.map(one, (chunks, jnp.arange(n)))  # (n, B, size, KV, G, d)
     return jnp.moveaxis(out, 0, 2).reshape(b, t, h * d)
 
@@ -146,14 +146,20 @@ def block(cfg: Config, x, layer):
 REMAT = ("layer", "dots", "none", "offload")
 
 
-def remat(cfg, layer_fn):
+def remat(cfg, layer_fn, *, in_loop: bool = False):
     """`layer_fn` under `cfg.remat`, the memory/compute trade of the backward pass:
     `"layer"` keeps each layer's input and recomputes the rest (the least device memory),
     `"dots"` also keeps the matrix products' outputs (recomputes only the cheap
     elementwise work), `"none"` keeps everything (no recomputation, the most memory),
     `"offload"` is `"layer"` with each kept input in host memory (moved out in the
     forward pass, back in the backward pass: for long sequences, where the kept inputs
-    fill the device)."""
+    fill the device).
+
+    `in_loop`: `layer_fn` is a `lax.scan` body. Its recomputation then needs no barrier
+    against XLA merging it with the forward pass (`prevent_cse=False`, as
+    `jax.checkpoint` advises for scan bodies), and the barrier would keep XLA from
+    moving the next layer's host-resident weights in while this layer computes (its
+    pipelined host offloading; docs/qlora.md). Unrolled layers keep the barrier."""
     if cfg.remat not in REMAT:
         raise ValueError(f"remat {cfg.remat!r}: expected one of {REMAT}")
     if cfg.remat == "none":
@@ -163,10 +169,10 @@ def remat(cfg, layer_fn):
             names_which_can_be_saved=[], names_which_can_be_offloaded=["layer_input"],
             offload_src="device", offload_dst="pinned_host")
         named = lambda x, *rest: layer_fn(checkpoint_name(x, "layer_input"), *rest)  # noqa: E731
-        return jax.checkpoint(named, policy=policy)
+        return jax.checkpoint(named, policy=policy, prevent_cse=not in_loop)
     policy = (jax.checkpoint_policies.dots_with_no_batch_dims_saveable if cfg.remat == "dots"
               else None)
-    return jax.checkpoint(layer_fn, policy=policy)
+    return jax.checkpoint(layer_fn, policy=policy, prevent_cse=not in_loop)
 
 
 def hidden_states(cfg: Config, params, tokens):
@@ -182,12 +188,12 @@ def hidden_states(cfg: Config, params, tokens):
     "Unrolled layers"). The same values either way.
     """
     x = params["embed"][tokens]
-    step = remat(cfg, lambda x, layer: (block(cfg, x, layer), None))
+    step = lambda x, layer: (block(cfg, x, layer), None)  # noqa: E731
     if isinstance(params["layers"], (list, tuple)):
         for layer in params["layers"]:
-            x, _ = step(x, layer)
+            x, _ = remat(cfg, step)(x, layer)
     else:
-        x, _ = lax.scan(step, x, params["layers"])
+        x, _ = lax.scan(remat(cfg, step, in_loop=True), x, params["layers"])
     return rms_norm(x, params["final_norm"], cfg.norm_eps)
 
 
@@ -238,7 +244,7 @@ def tied_loss(h, embed, targets, vocab: int):
     n = VOCAB_CHUNKS if vocab % VOCAB_CHUNKS == 0 else 1
     size = vocab // n
 
-    @jax.checkpoint
+    @functools.partial(jax.checkpoint, prevent_cse=False)  # (a scan body)
     def chunk(carry, i):
         m, s = carry
         z = h @ lax.dynamic_slice_in_dim(embed, i * size, size, axis=0).T  # (B, T, size)

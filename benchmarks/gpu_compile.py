@@ -1,0 +1,239 @@
+"""Compile a training step for a GPU that is not here: XLA's GPU compiler, deviceless.
+
+With JAX's CUDA plugin installed (`-E cuda13`), JAX compiles for a GPU described by its
+properties (`jax.experimental.topologies`), no GPU present. The compiled program is the
+one a card would run, so this shows on a CPU machine what XLA:CPU cannot:
+
+- XLA's memory analysis from the GPU compiler (bf16 kept bf16; cuDNN's fused attention):
+  the device bytes a step's arguments and temporaries take, and its host arguments;
+- the layer loops of a step whose frozen codes are in host memory (`lorax.offload_frozen`):
+  how many host-resident stacks each `while` loop reads, and how many one-layer slices
+  of them it carries from one iteration to the next, moved to the device one iteration
+  ahead (XLA's pipelined host offloading: the next layer's codes cross the host link
+  while this layer computes). A loop that carries none moves each layer's codes in the
+  iteration that reads them, the computation waiting for the copy.
+
+The step is `benchmarks.offload`'s (`benchmarks.scale`'s Llama Adam step, donated as
+`benchmarks.accelerator` donates it). A cell is `MODEL:METHOD:FLAGS[:REMAT[:LAYERS]]`:
+FLAGS `default` or `pipelined` (`xla_gpu_enable_pipelined_host_offloading`, as a compile
+option), REMAT `llama.Config.remat` (`layer`, the default), LAYERS `scan` (the default)
+or `unrolled` (`llama.hidden_states`).
+
+    python -m benchmarks.gpu_compile [--target h200] [--cells ...] [--out DIR] [--name NAME]
+
+Needs the CUDA plugin (`bash scripts/bootstrap.sh -E cuda13`); `CUDA_VISIBLE_DEVICES=-1`
+keeps a present GPU out of it. Compiled, not run: the card's peak memory and step time
+come from `python -m benchmarks.accelerator` on a card.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+import time
+from pathlib import Path
+from typing import Any, NamedTuple
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    __package__ = "benchmarks"
+
+# The plugin checks the CUDA libraries' versions against a GPU's driver at start-up;
+# compiling needs no driver.
+os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
+
+import jax  # noqa: E402
+
+from . import _common as C  # noqa: E402
+
+GiB = 2**30
+
+# XLA's description of each card (its `GpuTargetConfig`, as `nvidia-smi` and the CUDA
+# device query report it): what the compiler tunes for.
+_H100_SXM = dict(core_count=132, memory_bandwidth=3352320000000, clock_rate_ghz=1.98,
+                 device_memory_size=84929347584, description="NVIDIA H100 80GB HBM3")
+_H200 = dict(core_count=132, memory_bandwidth=4800000000000, clock_rate_ghz=1.98,
+             device_memory_size=150754820096, description="NVIDIA H200")
+TARGETS = {"h100": _H100_SXM, "h200": _H200}
+
+FLAGS = {"default": {}, "pipelined": {"xla_gpu_enable_pipelined_host_offloading": True}}
+
+DEFAULT_CELLS = ("llama-3-8b:qlora-nf4:default,llama-3-8b:qlora-nf4+host:default,"
+                 "llama-3-8b:qlora-nf4+host:pipelined,llama-3-70b:qlora-nf4:default,"
+                 "llama-3-70b:qlora-nf4+host:default,llama-3-70b:qlora-nf4+host:pipelined")
+
+
+def target_config(target: str) -> str:
+    """The text `GpuTargetConfig` of a Hopper card in `TARGETS`."""
+    t = TARGETS[target]
+    return f"""gpu_device_info {{
+  threads_per_block_limit: 1024 threads_per_warp: 32 shared_memory_per_block: 49152
+  shared_memory_per_core: 233472 threads_per_core_limit: 2048 core_count: {t['core_count']}
+  fpus_per_core: 128 block_dim_limit_x: 2147483647 block_dim_limit_y: 65535
+  block_dim_limit_z: 65535 memory_bandwidth: {t['memory_bandwidth']} l2_cache_size: 52428800
+  clock_rate_ghz: {t['clock_rate_ghz']} device_memory_size: {t['device_memory_size']}
+  shared_memory_per_block_optin: 232448 cuda_compute_capability {{ major: 9 }}
+  registers_per_core_limit: 65536 registers_per_block_limit: 65536
+}}
+platform_name: "CUDA"
+dnn_version_info {{ major: 9 minor: 8 }}
+runtime_version {{ major: 13 }}
+device_description_str: "{t['description']}"
+"""
+
+
+def gpu_devices(target: str) -> list[Any]:
+    """One compile-only device of `target` (no GPU needed; the CUDA plugin is)."""
+    from jax.experimental import topologies
+    try:
+        topology = topologies.get_topology_desc(platform="cuda", topology="1x1x1",
+                                                target_config=target_config(target))
+    except Exception as e:  # (no plugin: "Unknown backend", or NotImplementedError)
+        raise RuntimeError("compiling for a GPU needs JAX's CUDA plugin "
+                           "(bash scripts/bootstrap.sh -E cuda13)") from e
+    return list(topology.devices)
+
+
+def compile_for(lowered_text: str, target: str, options: dict[str, Any]) -> Any:
+    """The XLA executable of a StableHLO module lowered for `cuda`, compiled for `target`
+    with `options` (XLA debug options, as `jax.jit(...).lower(...).compile(compiler_options=)`
+    takes them). JAX's compile-only client, reached through its private compiler module:
+    the one place here that needs one."""
+    from jax._src import compiler
+    from jax._src.interpreters import mlir
+    from jax._src.lib import xla_client as xc
+    from jax._src.lib.mlir import ir
+
+    devices = gpu_devices(target)
+    compile_options = compiler.get_compile_options(num_replicas=1, num_partitions=1)
+    compile_options.env_option_overrides = list(options.items())
+    with mlir.make_ir_context():
+        module = ir.Module.parse(lowered_text)
+        return devices[0].client.compile(module, xc.DeviceList(tuple(devices)), compile_options)
+
+
+# -- reading the compiled program ------------------------------------------------------------
+
+_BUFFER = re.compile(r"([a-z]+[0-9]*)\[([0-9,]*)\]\{[0-9,]*(:S\(5\))?\}")
+
+
+class Loop(NamedTuple):
+    name: str
+    host_stacks: int  # host-resident arrays (memory space S(5)) the loop reads
+    carried_slices: int  # device arrays it carries that are one entry of such a stack
+    carried_bytes: int
+
+
+def loops(hlo_text: str) -> list[Loop]:
+    """Every `while` of a compiled module that reads host-resident stacks, with the
+    one-entry slices of them it carries on the device (moved one iteration ahead)."""
+    out = []
+    for m in re.finditer(r"%(while\S*) = \((.*?)\) while\(", hlo_text):
+        buffers = [(dtype, tuple(int(d) for d in dims.split(",") if d), bool(host))
+                   for dtype, dims, host in _BUFFER.findall(m.group(2))]
+        stacks = {(dtype, dims[1:]) for dtype, dims, host in buffers if host and len(dims) > 1}
+        if not stacks:
+            continue
+        carried = [(dtype, dims) for dtype, dims, host in buffers
+                   if not host and (dtype, dims) in stacks]
+        nbytes = sum(_itemsize(d) * _prod(s) for d, s in carried)
+        out.append(Loop(m.group(1), len(stacks), len(carried), nbytes))
+    return out
+
+
+def _prod(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _itemsize(hlo_dtype: str) -> int:
+    bits = re.search(r"[0-9]+$", hlo_dtype)
+    return max(1, int(bits.group()) // 8) if bits else 1
+
+
+# -- the step ---------------------------------------------------------------------------------
+
+
+def lowered_step(model: str, method: str, remat: str = "layer", layers: str = "scan",
+                 attention: str = "cudnn") -> str:
+    """`benchmarks.offload.abstract_step` for `model` and `method` (`+host`: the frozen
+    half in host memory), lowered for `cuda`, the trainable parameters and optimizer state
+    donated (as `benchmarks.accelerator` donates them)."""
+    from . import offload as O
+    step, args = O.abstract_step(model, method.removesuffix("+host"), method.endswith("+host"),
+                                 remat, layers, attention)
+    jitted = jax.jit(step, in_shardings=jax.tree.map(O._sharding, args), donate_argnums=(0, 2))
+    return jitted.trace(*jax.tree.map(O._typed, args)).lower(
+        lowering_platforms=("cuda",)).as_text()
+
+
+def measure(target: str, cell: str) -> dict[str, Any]:
+    model, method, flags, *rest = cell.split(":")
+    remat, layers = rest + ["layer", "scan"][len(rest):]
+    t0 = time.perf_counter()
+    executable = compile_for(lowered_step(model, method, remat, layers), target, FLAGS[flags])
+    compile_s = time.perf_counter() - t0
+    m = executable.get_compiled_memory_stats()
+    found = loops(executable.hlo_modules()[0].to_string())
+    return dict(target=target, model=model, method=method, flags=flags, remat=remat,
+                layers=layers, compile_s=compile_s,
+                device_args_gib=m.argument_size_in_bytes / GiB,
+                device_temps_gib=m.temp_size_in_bytes / GiB,
+                device_peak_gib=(m.argument_size_in_bytes + m.temp_size_in_bytes
+                                 + m.output_size_in_bytes - m.alias_size_in_bytes) / GiB,
+                host_args_gib=m.host_argument_size_in_bytes / GiB,
+                host_loops=len(found),
+                prefetching_loops=sum(1 for lp in found if lp.carried_slices),
+                carried_mib=max((lp.carried_bytes for lp in found), default=0) / 2**20)
+
+
+COLUMNS = [("model", "model"), ("method", "method"), ("remat", "remat"), ("layers", "layers"),
+           ("flags", "XLA flags"),
+           ("device_peak_gib", "device GiB (XLA)"), ("device_temps_gib", "of it temporaries"),
+           ("host_args_gib", "host GiB"), ("host_loops", "loops reading host memory"),
+           ("prefetching_loops", "of them moving the next layer ahead"),
+           ("carried_mib", "next layer in flight, MiB"), ("compile_s", "compile s")]
+_HOST_COLUMNS = {"host_args_gib", "host_loops", "prefetching_loops", "carried_mib"}
+
+
+def markdown(rows: list[dict]) -> str:
+    """The rows as a table; the host-memory columns only where a step has host arguments."""
+    host = any(r["host_args_gib"] for r in rows)
+    columns = [(k, t) for k, t in COLUMNS if host or k not in _HOST_COLUMNS]
+    head = "| " + " | ".join(title for _, title in columns) + " |"
+    lines = [head, "|" + "---|" * len(columns)]
+    for r in rows:
+        cells = [f"{r[k]:.{0 if k == 'compile_s' else 2}f}" if isinstance(r[k], float)
+                 else str(r[k]) for k, _ in columns]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--target", default="h200", choices=sorted(TARGETS))
+    parser.add_argument("--cells", default=DEFAULT_CELLS)
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--name", default="gpu_compile",
+                        help="the results' file name, before the target's")
+    args = parser.parse_args(argv)
+    rows = []
+    for cell in args.cells.split(","):
+        rows.append(measure(args.target, cell))
+        print(rows[-1], flush=True)
+    out = C.out_dir(args.out)
+    name = f"{args.name}_{args.target}"
+    C.write_csv(out / f"{name}.csv", rows)
+    text = markdown(rows) + (f"\nCompiled for {TARGETS[args.target]['description']} by jax "
+                             f"{jax.__version__}'s CUDA plugin, deviceless.\n")
+    (out / f"{name}.md").write_text(text)
+    print(text)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
