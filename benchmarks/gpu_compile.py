@@ -16,10 +16,16 @@ one a card would run, so this shows on a CPU machine what XLA:CPU cannot:
 The step is `benchmarks.offload`'s (`benchmarks.scale`'s Llama Adam step, donated as
 `benchmarks.accelerator` donates it). A cell is `MODEL:METHOD:FLAGS[:REMAT[:LAYERS]]`:
 FLAGS `default` or `pipelined` (`xla_gpu_enable_pipelined_host_offloading`, as a compile
-option), REMAT `llama.Config.remat` (`layer`, the default), LAYERS `scan` (the default)
+option), METHOD a `benchmarks.scale` method, `+host` after it for the frozen weights in
+host memory (`lorax.offload_frozen`) and `+state` for Adam's state (`lorax.offload_state`),
+REMAT `llama.Config.remat` (`layer`, the default), LAYERS `scan` (the default)
 or `unrolled` (`llama.hidden_states`).
 
-    python -m benchmarks.gpu_compile [--target h200] [--cells ...] [--out DIR] [--name NAME]
+    python -m benchmarks.gpu_compile [--target h200] [--memory-gib GIB] [--cells ...]
+                                     [--out DIR] [--name NAME]
+
+`--memory-gib`: the card's memory as XLA plans for it (a 24 GB card's, say: XLA's scheduler
+starts fewer copies early when memory is short).
 
 Needs the CUDA plugin (`bash scripts/bootstrap.sh -E cuda13`); `CUDA_VISIBLE_DEVICES=-1`
 keeps a present GPU out of it. Compiled, not run: the card's peak memory and step time
@@ -65,9 +71,13 @@ DEFAULT_CELLS = ("llama-3-8b:qlora-nf4:default,llama-3-8b:qlora-nf4+host:default
                  "llama-3-70b:qlora-nf4+host:default,llama-3-70b:qlora-nf4+host:pipelined")
 
 
-def target_config(target: str) -> str:
-    """The text `GpuTargetConfig` of a Hopper card in `TARGETS`."""
-    t = TARGETS[target]
+def target_config(target: str, memory_gib: float | None = None) -> str:
+    """The text `GpuTargetConfig` of a Hopper card in `TARGETS`, its memory `memory_gib`
+    if given (XLA's scheduler plans for the card's memory: given less, it starts fewer
+    copies early)."""
+    t = dict(TARGETS[target])
+    if memory_gib:
+        t["device_memory_size"] = int(memory_gib * GiB)
     return f"""gpu_device_info {{
   threads_per_block_limit: 1024 threads_per_warp: 32 shared_memory_per_block: 49152
   shared_memory_per_core: 233472 threads_per_core_limit: 2048 core_count: {t['core_count']}
@@ -84,19 +94,20 @@ device_description_str: "{t['description']}"
 """
 
 
-def gpu_devices(target: str) -> list[Any]:
+def gpu_devices(target: str, memory_gib: float | None = None) -> list[Any]:
     """One compile-only device of `target` (no GPU needed; the CUDA plugin is)."""
     from jax.experimental import topologies
     try:
-        topology = topologies.get_topology_desc(platform="cuda", topology="1x1x1",
-                                                target_config=target_config(target))
+        topology = topologies.get_topology_desc(
+            platform="cuda", topology="1x1x1", target_config=target_config(target, memory_gib))
     except Exception as e:  # (no plugin: "Unknown backend", or NotImplementedError)
         raise RuntimeError("compiling for a GPU needs JAX's CUDA plugin "
                            "(bash scripts/bootstrap.sh -E cuda13)") from e
     return list(topology.devices)
 
 
-def compile_for(lowered_text: str, target: str, options: dict[str, Any]) -> Any:
+def compile_for(lowered_text: str, target: str, options: dict[str, Any],
+                memory_gib: float | None = None) -> Any:
     """The XLA executable of a StableHLO module lowered for `cuda`, compiled for `target`
     with `options` (XLA debug options, as `jax.jit(...).lower(...).compile(compiler_options=)`
     takes them). JAX's compile-only client, reached through its private compiler module:
@@ -106,7 +117,7 @@ def compile_for(lowered_text: str, target: str, options: dict[str, Any]) -> Any:
     from jax._src.lib import xla_client as xc
     from jax._src.lib.mlir import ir
 
-    devices = gpu_devices(target)
+    devices = gpu_devices(target, memory_gib)
     compile_options = compiler.get_compile_options(num_replicas=1, num_partitions=1)
     compile_options.env_option_overrides = list(options.items())
     with mlir.make_ir_context():
@@ -161,26 +172,30 @@ def _itemsize(hlo_dtype: str) -> int:
 def lowered_step(model: str, method: str, remat: str = "layer", layers: str = "scan",
                  attention: str = "cudnn") -> str:
     """`benchmarks.offload.abstract_step` for `model` and `method` (`+host`: the frozen
-    half in host memory), lowered for `cuda`, the trainable parameters and optimizer state
-    donated (as `benchmarks.accelerator` donates them)."""
+    half in host memory; `+state`: Adam's state too, `lorax.offload_state`), lowered for
+    `cuda`, the trainable parameters and optimizer state donated (as
+    `benchmarks.accelerator` donates them)."""
     from . import offload as O
-    step, args = O.abstract_step(model, method.removesuffix("+host"), method.endswith("+host"),
-                                 remat, layers, attention)
+    base, *where = method.split("+")
+    step, args = O.abstract_step(model, base, "host" in where, remat, layers, attention,
+                                 state_on_host="state" in where)
     jitted = jax.jit(step, in_shardings=jax.tree.map(O._sharding, args), donate_argnums=(0, 2))
     return jitted.trace(*jax.tree.map(O._typed, args)).lower(
         lowering_platforms=("cuda",)).as_text()
 
 
-def measure(target: str, cell: str) -> dict[str, Any]:
+def measure(target: str, cell: str, memory_gib: float | None = None) -> dict[str, Any]:
     model, method, flags, *rest = cell.split(":")
     remat, layers = rest + ["layer", "scan"][len(rest):]
     t0 = time.perf_counter()
-    executable = compile_for(lowered_step(model, method, remat, layers), target, FLAGS[flags])
+    executable = compile_for(lowered_step(model, method, remat, layers), target, FLAGS[flags],
+                             memory_gib)
     compile_s = time.perf_counter() - t0
     m = executable.get_compiled_memory_stats()
     found = loops(executable.hlo_modules()[0].to_string())
-    return dict(target=target, model=model, method=method, flags=flags, remat=remat,
-                layers=layers, compile_s=compile_s,
+    memory_gib = memory_gib or TARGETS[target]["device_memory_size"] / GiB
+    return dict(target=target, memory_gib=memory_gib, model=model, method=method, flags=flags,
+                remat=remat, layers=layers, compile_s=compile_s,
                 device_args_gib=m.argument_size_in_bytes / GiB,
                 device_temps_gib=m.temp_size_in_bytes / GiB,
                 device_peak_gib=(m.argument_size_in_bytes + m.temp_size_in_bytes
@@ -217,19 +232,22 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--target", default="h200", choices=sorted(TARGETS))
     parser.add_argument("--cells", default=DEFAULT_CELLS)
+    parser.add_argument("--memory-gib", type=float, default=None,
+                        help="the card's memory as XLA plans for it (default: the target's)")
     parser.add_argument("--out", default=None)
     parser.add_argument("--name", default="gpu_compile",
                         help="the results' file name, before the target's")
     args = parser.parse_args(argv)
     rows = []
     for cell in args.cells.split(","):
-        rows.append(measure(args.target, cell))
+        rows.append(measure(args.target, cell, args.memory_gib))
         print(rows[-1], flush=True)
     out = C.out_dir(args.out)
-    name = f"{args.name}_{args.target}"
+    name = f"{args.name}_{args.target}" + (f"_{args.memory_gib:g}g" if args.memory_gib else "")
     C.write_csv(out / f"{name}.csv", rows)
-    text = markdown(rows) + (f"\nCompiled for {TARGETS[args.target]['description']} by jax "
-                             f"{jax.__version__}'s CUDA plugin, deviceless.\n")
+    memory = f" given {args.memory_gib:g} GiB of memory" if args.memory_gib else ""
+    text = markdown(rows) + (f"\nCompiled for an {TARGETS[args.target]['description']}{memory} "
+                             f"by jax {jax.__version__}'s CUDA plugin, deviceless.\n")
     (out / f"{name}.md").write_text(text)
     print(text)
     return rows

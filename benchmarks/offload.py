@@ -146,11 +146,12 @@ def _arguments(main: Any) -> list[Argument]:
 
 
 def abstract_step(model: str, method: str = "qlora-nf4", offload: bool = True,
-                  remat: str = "layer", layers: str = "scan",
-                  attention: str = "xla") -> tuple[Callable, tuple]:
+                  remat: str = "layer", layers: str = "scan", attention: str = "xla",
+                  state_on_host: bool = False) -> tuple[Callable, tuple]:
     """`benchmarks.scale`'s Adam step for `model` and its abstract arguments (nothing
-    allocated), its frozen half in host memory if `offload`. (cuDNN's attention needs
-    cuDNN, so JAX's CUDA plugin, to lower: `xla` by default.)"""
+    allocated), its frozen half in host memory if `offload`, Adam's state too if
+    `state_on_host` (`lorax.offload_state`). (cuDNN's attention needs cuDNN, so JAX's
+    CUDA plugin, to lower: `xla` by default.)"""
     from . import scale as S
     cfg = S.config(model, attention, remat)
     abstract, spec = S.build(cfg, method, jnp.bfloat16, layers)
@@ -159,6 +160,9 @@ def abstract_step(model: str, method: str = "qlora-nf4", offload: bool = True,
         frozen = lorax.offload_frozen(frozen)
     optimizer = optax.adam(1e-4)
     state = jax.eval_shape(optimizer.init, trainable)
+    if state_on_host:  # (`eval_shape` keeps no memory kind: the state's placed here)
+        optimizer = lorax.offload_state(optimizer)
+        state = jax.tree.map(_host_struct, state)
     windows = jax.ShapeDtypeStruct((1, S.MODELS[model][-1] + 1), jnp.int32)
     apply = lorax.lora(lambda p, w: S.LLAMA.loss(cfg, p, w), on_materialize="allow")
 
@@ -183,6 +187,11 @@ def export_for_cuda(fn: Any, *args: Any) -> Any:
     (concrete or abstract) typed and laid out in host memory."""
     return jax.export.export(jax.jit(fn, in_shardings=jax.tree.map(_sharding, args)),
                              platforms=["cuda"])(*jax.tree.map(_typed, args))
+
+
+def _host_struct(x: Any) -> Any:
+    host = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host")
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=host)
 
 
 def _in_host(x: Any) -> bool:
@@ -271,9 +280,9 @@ def check_values(remat: str = "layer") -> dict[str, Any]:
     device = llama_step_values(cfg, "qlora-nf4", offload=False)
     rel = [float(jnp.max(jnp.abs(h - d)) / jnp.maximum(jnp.max(jnp.abs(d)), 1e-30))
            for h, d in zip(jax.tree_util.tree_leaves(host), jax.tree_util.tree_leaves(device))]
+    finite = all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree_util.tree_leaves(host))
     return dict(device=str(jax.devices()[0].device_kind), remat=remat,
-                bit_for_bit=max(rel) == 0.0, max_relative_difference=max(rel),
-                finite=bool(all(jnp.all(jnp.isfinite(x)) for x in jax.tree_util.tree_leaves(host))))
+                bit_for_bit=max(rel) == 0.0, max_relative_difference=max(rel), finite=finite)
 
 
 COLUMNS = [("model", "model"), ("placement", "frozen codes"), ("host_args_gib", "host GiB"),

@@ -17,6 +17,7 @@ from ._layout import infer_layout as infer_layout
 from ._optim import wrap_optimizer as wrap_optimizer
 from ._quant import QuantizedArray as QuantizedArray, quantize as quantize
 from ._placement import offload_frozen as offload_frozen
+from ._placement import offload_state as offload_state
 from ._params import (
     combine as combine,
     merge_params as merge_params,
@@ -73,6 +74,7 @@ __all__ = [
     "merge_params",
     "mixed_batch",
     "offload_frozen",
+    "offload_state",
     "partition",
     "quantize",
     "save_adapter",

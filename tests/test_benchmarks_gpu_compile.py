@@ -101,3 +101,24 @@ def test_gpu_compile_writes_its_table(tmp_path):
     md = (tmp_path / "gpu_compile_h200.md").read_text()
     assert "| tiny | qlora-nf4+host | layer | scan | pipelined |" in md
     assert (tmp_path / "gpu_compile_h200.csv").exists()
+
+
+@needs_plugin
+def test_the_optimizer_state_in_host_memory_leaves_the_device_arguments():
+    host = G.measure("h200", "tiny:qlora-nf4+host:default")
+    state = G.measure("h200", "tiny:qlora-nf4+host+state:default")
+    cfg = S.config("tiny", "cudnn", "layer")
+    trainable = lorax.partition(*S.build(cfg, "qlora-nf4", jnp.bfloat16))[0]
+    moments = 2 * sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize
+                      for x in jax.tree_util.tree_leaves(trainable))  # Adam's mu and nu
+    assert (host["device_args_gib"] - state["device_args_gib"]) * G.GiB == pytest.approx(
+        moments + 4, abs=64)  # (+ the step count)
+    assert (state["host_args_gib"] - host["host_args_gib"]) * G.GiB == pytest.approx(
+        moments + 4, abs=64)
+
+
+@needs_plugin
+def test_memory_gib_is_the_memory_xla_plans_for():
+    assert "device_memory_size: 25769803776" in G.target_config("h200", 24)
+    row = G.measure("h200", "tiny:qlora-nf4+host:pipelined", memory_gib=24)
+    assert row["memory_gib"] == 24 and row["prefetching_loops"] == 2

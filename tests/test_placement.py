@@ -12,6 +12,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from jax import lax
 
@@ -380,3 +381,58 @@ def test_offload_frozen_leaves_a_trainable_half_alone_and_rejects_unknown_memory
     assert set(_kinds(lorax.offload_frozen(trainable)).values()) == {"device"}
     with pytest.raises(ValueError, match=r"memory_kind 'pinned_hots' is not a memory .*'pinned_host'"):
         lorax.offload_frozen(params, memory_kind="pinned_hots")
+
+
+# -- offload_state: the optimizer state in host memory -------------------------------------------
+
+
+def _training(optimizer, steps: int = 3):
+    """Losses, factors and state kinds of `steps` jitted Adam steps of the offloaded MLP."""
+    params, spec = _mlp_params("nf4")
+    trainable, frozen = lorax.partition(lorax.offload_frozen(params), spec)
+    x = jax.random.normal(jax.random.PRNGKey(3), (8, 128))
+    loss = lambda t: lorax.lora(_mlp_model(True))(lorax.combine(t, frozen), x)  # noqa: E731
+
+    @jax.jit
+    def step(t, state):
+        value, grads = jax.value_and_grad(loss)(t)
+        updates, state = optimizer.update(grads, state, t)
+        return optax.apply_updates(t, updates), state, value
+
+    state, losses, kinds = optimizer.init(trainable), [], []
+    for _ in range(steps):
+        trainable, state, value = step(trainable, state)
+        losses.append(value)
+        kinds.append({x.sharding.memory_kind for x in jax.tree_util.tree_leaves(state)})
+    return losses, trainable, kinds
+
+
+def test_offload_state_keeps_the_state_in_host_memory_and_the_optimizer_s_values():
+    adam = optax.adam(1e-2)
+    losses, trainable, kinds = _training(lorax.offload_state(adam))
+    ref_losses, ref_trainable, ref_kinds = _training(adam)
+    np.testing.assert_array_equal(losses, ref_losses)
+    jax.tree_util.tree_map(np.testing.assert_array_equal, trainable, ref_trainable)
+    assert losses[-1] < losses[0]
+    assert kinds == [{HOST}] * 3 and HOST not in set().union(*ref_kinds)
+    assert {x.sharding.memory_kind for x in jax.tree_util.tree_leaves(trainable)} == {"device"}
+
+
+def test_offload_state_moves_the_state_in_and_out_of_the_exported_step():
+    params, spec = _mlp_params(None)
+    trainable, frozen = lorax.partition(params, spec)
+    optimizer = lorax.offload_state(optax.adam(1e-2))
+    state = optimizer.init(trainable)
+    x = jax.random.normal(jax.random.PRNGKey(3), (8, 128))
+
+    def step(t, state):
+        grads = jax.grad(lambda t: lorax.lora(_mlp_model(True))(lorax.combine(t, frozen), x))(t)
+        updates, state = optimizer.update(grads, state, t)
+        return optax.apply_updates(t, updates), state
+
+    args, moves = O.placements(O.export_for_cuda(step, trainable, state).mlir_module())
+    moments = 2 * sum(x.nbytes for x in jax.tree_util.tree_leaves(trainable))  # mu and nu
+    assert sum(a.nbytes for a in args if a.memory_kind == HOST) == moments + 4  # + count
+    factor_shapes = {x.shape for x in jax.tree_util.tree_leaves(trainable)}
+    for to in ("device", HOST):  # each moment moved in, and the new one out
+        assert {m.shape for m in moves if m.to == to and not m.in_loop} >= factor_shapes, to
