@@ -241,10 +241,10 @@ def measure(model: str, offload: bool) -> dict[str, Any]:
 # -- the values: host codes against the device's ----------------------------------------------
 
 
-def llama_step_values(cfg: Any, method: str, offload: bool) -> tuple:
+def llama_step_values(cfg: Any, method: str, offload: bool, state_on_host: bool = False) -> tuple:
     """(loss, factor gradients, updated factors) of one Adam step of the example Llama
     `cfg` in float32 (random values made the same way for either placement), its frozen
-    weights in host memory if `offload`."""
+    weights in host memory if `offload`, Adam's state if `state_on_host`."""
     from . import scale as S
     abstract, spec = S.build(cfg, method, jnp.float32)
     leaves, treedef = jax.tree_util.tree_flatten(abstract)
@@ -258,7 +258,7 @@ def llama_step_values(cfg: Any, method: str, offload: bool) -> tuple:
         frozen = lorax.offload_frozen(frozen)
     windows = jax.random.randint(jax.random.PRNGKey(1), (2, 33), 0, cfg.vocab)
     apply = lorax.lora(lambda p, w: S.LLAMA.loss(cfg, p, w), on_materialize="error")
-    opt = optax.adam(1e-3)
+    opt = lorax.offload_state(optax.adam(1e-3)) if state_on_host else optax.adam(1e-3)
 
     @jax.jit
     def step(t: Any, f: Any, state: Any) -> tuple:
@@ -271,18 +271,25 @@ def llama_step_values(cfg: Any, method: str, offload: bool) -> tuple:
 
 def check_values(remat: str = "layer") -> dict[str, Any]:
     """The tiny example Llama's QLoRA step (nf4, double quantization) with its codes in
-    host memory against the same step all on the device, on the default device: the
-    largest difference of the loss, the gradients and the updated factors, relative to
-    the largest value of each (0.0 everywhere: bit for bit)."""
+    host memory, and with Adam's state there too, against the same step all on the
+    device, on the default device: the largest difference of the loss, the gradients and
+    the updated factors, relative to the largest value of each (0.0: bit for bit)."""
     from . import scale as S
     cfg = S.LLAMA.Config(2, 128, 256, 4, 2, 5e5, 1e-5, 512, attention="xla", remat=remat)
-    host = llama_step_values(cfg, "qlora-nf4", offload=True)
-    device = llama_step_values(cfg, "qlora-nf4", offload=False)
-    rel = [float(jnp.max(jnp.abs(h - d)) / jnp.maximum(jnp.max(jnp.abs(d)), 1e-30))
-           for h, d in zip(jax.tree_util.tree_leaves(host), jax.tree_util.tree_leaves(device))]
-    finite = all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree_util.tree_leaves(host))
-    return dict(device=str(jax.devices()[0].device_kind), remat=remat,
-                bit_for_bit=max(rel) == 0.0, max_relative_difference=max(rel), finite=finite)
+    device = jax.tree_util.tree_leaves(llama_step_values(cfg, "qlora-nf4", offload=False))
+    out = dict(device=str(jax.devices()[0].device_kind), remat=remat)
+    for name, state_on_host in (("codes", False), ("codes_and_state", True)):
+        host = jax.tree_util.tree_leaves(
+            llama_step_values(cfg, "qlora-nf4", offload=True, state_on_host=state_on_host))
+        rel = max(float(jnp.max(jnp.abs(h - d)) / jnp.maximum(jnp.max(jnp.abs(d)), 1e-30))
+                  for h, d in zip(host, device))
+        out[f"{name}_relative_difference"] = rel
+        out[f"{name}_finite"] = all(bool(jnp.all(jnp.isfinite(x))) for x in host)
+    out["max_relative_difference"] = max(out["codes_relative_difference"],
+                                         out["codes_and_state_relative_difference"])
+    out["finite"] = out["codes_finite"] and out["codes_and_state_finite"]
+    out["bit_for_bit"] = out["max_relative_difference"] == 0.0
+    return out
 
 
 COLUMNS = [("model", "model"), ("placement", "frozen codes"), ("host_args_gib", "host GiB"),
