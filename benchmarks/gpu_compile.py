@@ -35,6 +35,7 @@ come from `python -m benchmarks.accelerator` on a card.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import re
 import sys
@@ -149,16 +150,9 @@ def loops(hlo_text: str) -> list[Loop]:
             continue
         carried = [(dtype, dims) for dtype, dims, host in buffers
                    if not host and (dtype, dims) in stacks]
-        nbytes = sum(_itemsize(d) * _prod(s) for d, s in carried)
+        nbytes = sum(_itemsize(d) * math.prod(s) for d, s in carried)
         out.append(Loop(m.group(1), len(stacks), len(carried), nbytes))
     return out
-
-
-def _prod(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def _itemsize(hlo_dtype: str) -> int:
