@@ -43,7 +43,7 @@ import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
 
 import lorax  # noqa: E402
-from lorax import _engine  # noqa: E402
+from lorax import _engine, _placement  # noqa: E402
 
 from . import _common as C  # noqa: E402
 
@@ -162,7 +162,7 @@ def abstract_step(model: str, method: str = "qlora-nf4", offload: bool = True,
     state = jax.eval_shape(optimizer.init, trainable)
     if state_on_host:  # (`eval_shape` keeps no memory kind: the state's placed here)
         optimizer = lorax.offload_state(optimizer)
-        state = jax.tree.map(_host_struct, state)
+        state = jax.tree.map(lambda x: _placement._to_host(x, "pinned_host"), state)
     windows = jax.ShapeDtypeStruct((1, S.MODELS[model][-1] + 1), jnp.int32)
     apply = lorax.lora(lambda p, w: S.LLAMA.loss(cfg, p, w), on_materialize="allow")
 
@@ -187,11 +187,6 @@ def export_for_cuda(fn: Any, *args: Any) -> Any:
     (concrete or abstract) typed and laid out in host memory."""
     return jax.export.export(jax.jit(fn, in_shardings=jax.tree.map(_sharding, args)),
                              platforms=["cuda"])(*jax.tree.map(_typed, args))
-
-
-def _host_struct(x: Any) -> Any:
-    host = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host")
-    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=host)
 
 
 def _in_host(x: Any) -> bool:

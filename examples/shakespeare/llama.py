@@ -190,8 +190,9 @@ def hidden_states(cfg: Config, params, tokens):
     x = params["embed"][tokens]
     step = lambda x, layer: (block(cfg, x, layer), None)  # noqa: E731
     if isinstance(params["layers"], (list, tuple)):
+        unrolled = remat(cfg, step)  # one wrapper: its traced layer is reused by every call
         for layer in params["layers"]:
-            x, _ = remat(cfg, step)(x, layer)
+            x, _ = unrolled(x, layer)
     else:
         x, _ = lax.scan(remat(cfg, step, in_loop=True), x, params["layers"])
     return rms_norm(x, params["final_norm"], cfg.norm_eps)
