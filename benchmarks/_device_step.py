@@ -184,13 +184,29 @@ def compiled_step(cell: Cell) -> tuple[Any, tuple, dict]:
 
     t0 = time.perf_counter()
     args = (trainable, frozen, state, windows)
-    compiled = jax.jit(step, donate_argnums=(0, 2)).lower(*args).compile()
-    facts["compile_s"] = time.perf_counter() - t0
+    options = compiler_options(cell.method)
+    compiled = jax.jit(step, donate_argnums=(0, 2)).lower(*args).compile(compiler_options=options)
+    facts.update(compile_s=time.perf_counter() - t0, compiler_options=options or "")
     m = compiled.memory_analysis()
     facts.update(xla_args_gib=m.argument_size_in_bytes / GiB, xla_temps_gib=m.temp_size_in_bytes / GiB,
                  xla_peak_gib=(m.argument_size_in_bytes + m.temp_size_in_bytes
                                + m.output_size_in_bytes - m.alias_size_in_bytes) / GiB)
     return compiled, args, facts
+
+
+# XLA's fusion of a dequantization into the product reading it (`benchmarks.gpu_compile`'s
+# `dequant`): int8 codes times scales in the weight's dtype, the dot merger off so that a
+# layer's k and v products are not joined over written weights (docs/qlora.md).
+DEQUANT_OPTIONS = {"xla_gpu_experimental_enable_subchannel_dequantisation_fusion": True,
+                   "xla_gpu_dot_merger_threshold_mb": 0}
+
+
+def compiler_options(method: str) -> dict[str, Any] | None:
+    """The compile options a method is measured with: `qlora-int8-bf16` on a GPU, XLA's
+    dequantization fusion; every other method, none."""
+    if method.removesuffix("+host") == "qlora-int8-bf16" and jax.default_backend() == "gpu":
+        return dict(DEQUANT_OPTIONS)
+    return None
 
 
 def _nbytes(tree: Any) -> int:

@@ -12,11 +12,16 @@ one a card would run, so this shows on a CPU machine what XLA:CPU cannot:
   ahead (XLA's pipelined host offloading: the next layer's codes cross the host link
   while this layer computes). A loop that carries none moves each layer's codes in the
   iteration that reads them, the computation waiting for the copy.
+- the dequantizations that write a dense weight: fusions outside the matrix products that
+  read 8-bit or 4-bit codes and write a 16-bit array of a million values or more (a
+  weight). None where XLA fuses the dequantization into the product that reads it
+  (`qlora-int8-bf16` under `dequant`: the product reads the int8 codes).
 
 The step is `benchmarks.offload`'s (`benchmarks.scale`'s Llama Adam step, donated as
 `benchmarks.accelerator` donates it). A cell is `MODEL:METHOD:FLAGS[:REMAT[:LAYERS]]`:
-FLAGS `default` or `pipelined` (`xla_gpu_enable_pipelined_host_offloading`, as a compile
-option), METHOD a `benchmarks.scale` method, `+host` after it for the frozen weights in
+FLAGS `default` or XLA flags (compile options) joined by `+`: `pipelined`
+(`xla_gpu_enable_pipelined_host_offloading`), `dequant`
+(`xla_gpu_experimental_enable_subchannel_dequantisation_fusion`), METHOD a `benchmarks.scale` method, `+host` after it for the frozen weights in
 host memory (`lorax.offload_frozen`) and `+state` for Adam's state (`lorax.offload_state`),
 REMAT `llama.Config.remat` (`layer`, the default), LAYERS `scan` (the default)
 or `unrolled` (`llama.hidden_states`).
@@ -54,6 +59,7 @@ os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
 import jax  # noqa: E402
 
 from . import _common as C  # noqa: E402
+from ._device_step import DEQUANT_OPTIONS  # noqa: E402
 
 GiB = 2**30
 
@@ -65,7 +71,21 @@ _H200 = dict(core_count=132, memory_bandwidth=4800000000000, clock_rate_ghz=1.98
              device_memory_size=150754820096, description="NVIDIA H200")
 TARGETS = {"h100": _H100_SXM, "h200": _H200}
 
-FLAGS = {"default": {}, "pipelined": {"xla_gpu_enable_pipelined_host_offloading": True}}
+FLAGS = {"default": {}, "pipelined": {"xla_gpu_enable_pipelined_host_offloading": True},
+         # The products read 8-bit codes times scales in the weight's dtype
+         # (`lorax.quantize(..., scale_dtype=)`); the dot merger, which joins products
+         # sharing an operand (a layer's k and v), would write their weights joined.
+         "dequant": DEQUANT_OPTIONS}
+
+
+def options(flags: str) -> dict[str, Any]:
+    """The compile options of FLAGS (`default`, or names of `FLAGS` joined by `+`)."""
+    out: dict[str, Any] = {}
+    for name in flags.split("+"):
+        if name not in FLAGS:
+            raise ValueError(f"XLA flags {flags!r}: {name!r} is not one of {sorted(FLAGS)}")
+        out.update(FLAGS[name])
+    return out
 
 DEFAULT_CELLS = ("llama-3-8b:qlora-nf4:default,llama-3-8b:qlora-nf4+host:default,"
                  "llama-3-8b:qlora-nf4+host:pipelined,llama-3-70b:qlora-nf4:default,"
@@ -155,6 +175,29 @@ def loops(hlo_text: str) -> list[Loop]:
     return out
 
 
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%(\S+) = (\w+)\[([0-9,]*)\]\S* ([\w-]+)\((.*?)\)", re.M)
+
+
+def dense_writes(hlo_text: str, min_values: int = 2**20) -> int:
+    """How many fusions write a dequantized weight: a kLoop/kInput fusion (not a matrix
+    product's) reading 8- or 4-bit integers and writing a 16-bit float array of at least
+    `min_values` values, and no array of `s32` indices (an embedding lookup's rows)."""
+    shapes = {m.group(1): (m.group(2), m.group(3)) for m in _INSTRUCTION.finditer(hlo_text)}
+    count = 0
+    for m in _INSTRUCTION.finditer(hlo_text):
+        name, dtype, dims, op, operands = m.groups()
+        if op != "fusion" or dtype not in ("bf16", "f16"):
+            continue
+        if "kind=kCustom" in hlo_text[m.end():hlo_text.find("\n", m.end())]:
+            continue
+        reads = [shapes.get(o.strip().lstrip("%"), ("", "")) for o in operands.split(",")]
+        codes = any(t in ("s8", "u8", "s4", "u4") for t, _ in reads)
+        lookup = any(t == "s32" and d for t, d in reads)
+        if codes and not lookup and math.prod(int(d) for d in dims.split(",") if d) >= min_values:
+            count += 1
+    return count
+
+
 def _itemsize(hlo_dtype: str) -> int:
     bits = re.search(r"[0-9]+$", hlo_dtype)
     return max(1, int(bits.group()) // 8) if bits else 1
@@ -182,11 +225,12 @@ def measure(target: str, cell: str, memory_gib: float | None = None) -> dict[str
     model, method, flags, *rest = cell.split(":")
     remat, layers = rest + ["layer", "scan"][len(rest):]
     t0 = time.perf_counter()
-    executable = compile_for(lowered_step(model, method, remat, layers), target, FLAGS[flags],
-                             memory_gib)
+    executable = compile_for(lowered_step(model, method, remat, layers), target,
+                             options(flags), memory_gib)
     compile_s = time.perf_counter() - t0
     m = executable.get_compiled_memory_stats()
-    found = loops(executable.hlo_modules()[0].to_string())
+    hlo = executable.hlo_modules()[0].to_string()
+    found = loops(hlo)
     memory_gib = memory_gib or TARGETS[target]["device_memory_size"] / GiB
     return dict(target=target, memory_gib=memory_gib, model=model, method=method, flags=flags,
                 remat=remat, layers=layers, compile_s=compile_s,
@@ -197,7 +241,8 @@ def measure(target: str, cell: str, memory_gib: float | None = None) -> dict[str
                 host_args_gib=m.host_argument_size_in_bytes / GiB,
                 host_loops=len(found),
                 prefetching_loops=sum(1 for lp in found if lp.carried_slices),
-                carried_mib=max((lp.carried_bytes for lp in found), default=0) / 2**20)
+                carried_mib=max((lp.carried_bytes for lp in found), default=0) / 2**20,
+                dense_writes=dense_writes(hlo))
 
 
 COLUMNS = [("model", "model"), ("method", "method"), ("remat", "remat"), ("layers", "layers"),
@@ -205,7 +250,8 @@ COLUMNS = [("model", "model"), ("method", "method"), ("remat", "remat"), ("layer
            ("device_peak_gib", "device GiB (XLA)"), ("device_temps_gib", "of it temporaries"),
            ("host_args_gib", "host GiB"), ("host_loops", "loops reading host memory"),
            ("prefetching_loops", "of them moving the next layer ahead"),
-           ("carried_mib", "next layer in flight, MiB"), ("compile_s", "compile s")]
+           ("carried_mib", "next layer in flight, MiB"),
+           ("dense_writes", "dequantizations writing a weight"), ("compile_s", "compile s")]
 _HOST_COLUMNS = {"host_args_gib", "host_loops", "prefetching_loops", "carried_mib"}
 
 

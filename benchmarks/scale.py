@@ -155,14 +155,16 @@ def build(cfg: Any, method: str, dtype: Any, layers: str = "scan") -> tuple[Any,
     """Abstract parameters for a method (`LoraWeight`s, `QuantizedArray`s), and its spec.
     `qlora-<qtype>`: every frozen matrix quantized (`lorax.quantize`'s rule; K-quants,
     which only GGUF files carry, as `QuantizedArray.from_gguf` holds them). `layers`: one
-    of `LAYER_LOOPS`."""
+    of `LAYER_LOOPS`. `qlora-int8-bf16`: int8 with its scales in the model's dtype (the
+    form XLA's GPU compiler fuses into the matrix products)."""
     params = abstract_params(cfg, dtype, layers)
     spec = spec_for(params, method)
     if method.startswith("qlora"):
         qtype = method.split("-")[1]
         # QLoRA's recipe: NF4 with its absmax values quantized too (double quantization).
         quantize = _kquantize if qtype in KQUANTS else functools.partial(
-            lorax.quantize, double_quant=qtype == "nf4")
+            lorax.quantize, double_quant=qtype == "nf4",
+            scale_dtype=dtype if method.endswith("-bf16") else None)
         params = jax.eval_shape(lambda p: quantize(p, spec, qtype, dtype=dtype), params)
     if method != "full":
         params = jax.eval_shape(

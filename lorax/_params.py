@@ -34,8 +34,10 @@ def _merge(lw: LoraWeight, donate: bool, requantize: bool) -> Any:
         merged = _merger(None, False)(None, lw)
         if not requantize:
             return merged
+        dq = w.scale_scales is not None
         return type(w).from_dense(merged, w.qtype, block_size=w.block_size, axis=w.axis,
-                                  double_quant=w.scale_scales is not None, dtype=w.dense_dtype)
+                                  double_quant=dq, dtype=w.dense_dtype,
+                                  scale_dtype=None if dq else w.scales.dtype)
     sharding = None if isinstance(w, jax.core.Tracer) else getattr(w, "sharding", None)
     # A sharded `w` keeps its sharding: left to propagation, the sum could come out
     # laid out like `b @ a` (or replicated) and no longer fit the model's shardings.

@@ -43,6 +43,34 @@ def test_loops_counts_the_next_entry_carried_on_the_device():
                      G.Loop("while.9", 1, 0, 0)]
 
 
+# Compiled fusions as XLA prints them: a weight dequantized from int8 codes, the rows an
+# embedding lookup dequantizes, a matrix product reading the codes itself, and a small one.
+_FUSIONS = """\
+  %codes = s8[32,1024,1024]{2,1,0} parameter(0)
+  %scales = bf16[32,1024,16]{2,1,0} parameter(1)
+  %emb = s8[64,4096]{1,0} parameter(2)
+  %small = s8[8,8]{1,0} parameter(3)
+  %tokens = s32[1,512]{1,0} parameter(4)
+  %i = s32[] parameter(5)
+  %loop_multiply_fusion = bf16[1024,1024]{1,0} fusion(%codes, %scales, %i), kind=kLoop, calls=%fm, metadata={}
+  %loop_gather_fusion = bf16[512,4096]{1,0} fusion(%emb, %tokens), kind=kLoop, calls=%fl, metadata={}
+  %gemm_fusion = bf16[2048,1024]{1,0} fusion(%x, %codes, %scales), kind=kCustom, calls=%g2, metadata={}
+  ROOT %loop_convert_fusion = bf16[8,8]{1,0} fusion(%small), kind=kLoop, calls=%fc, metadata={}
+"""
+
+
+def test_dense_writes_counts_weights_not_lookups_products_or_small_arrays():
+    assert G.dense_writes(_FUSIONS) == 1
+    assert G.dense_writes(_FUSIONS, min_values=64) == 2
+
+
+def test_flags_combine_and_an_unknown_one_is_named():
+    both = G.options("pipelined+dequant")
+    assert both == {**G.FLAGS["pipelined"], **G.FLAGS["dequant"]} and G.options("default") == {}
+    with pytest.raises(ValueError, match="'fused'"):
+        G.options("pipelined+fused")
+
+
 def test_target_configs_name_their_card():
     for target, facts in G.TARGETS.items():
         text = G.target_config(target)
@@ -122,3 +150,33 @@ def test_memory_gib_is_the_memory_xla_plans_for():
     assert "device_memory_size: 25769803776" in G.target_config("h200", 24)
     row = G.measure("h200", "tiny:qlora-nf4+host:pipelined", memory_gib=24)
     assert row["memory_gib"] == 24 and row["prefetching_loops"] == 2
+
+
+def _dequantizations(scale_dtype, flags: str) -> int:
+    """Weights written by dequantizations in the compiled QLoRA step of one projection
+    (int8 codes, blocks of 64; values and the factors' and input's gradients)."""
+    w = jax.ShapeDtypeStruct((1024, 1024), jnp.bfloat16)
+    params = jax.eval_shape(lambda w: lorax.init_lora(lorax.quantize(
+        {"w": w}, {"w": 8}, "int8", block_size=64, scale_dtype=scale_dtype), {"w": 8},
+        jax.random.PRNGKey(0)), w)
+    trainable, frozen = lorax.partition(params, {"w": 8})
+
+    def step(t, f, x):
+        def loss(t, x):
+            y = lorax.lora(lambda p, x: x @ p["w"])(lorax.combine(t, f), x)
+            return jnp.sum(y.astype(jnp.float32) ** 2)
+        return jax.grad(loss, argnums=(0, 1))(t, x)
+    x = jax.ShapeDtypeStruct((512, 1024), jnp.bfloat16)
+    text = jax.jit(step).trace(trainable, frozen, x).lower(lowering_platforms=("cuda",)).as_text()
+    executable = G.compile_for(text, "h200", G.options(flags))
+    return G.dense_writes(executable.hlo_modules()[0].to_string(), min_values=2**20)
+
+
+@needs_plugin
+def test_int8_codes_with_scales_in_the_weight_dtype_are_read_by_the_products_themselves():
+    # The forward product and the input's gradient each read the codes: no weight written.
+    assert _dequantizations(jnp.bfloat16, "dequant") == 0
+    # Controls: float32 scales (a float32 product, cast), or no flag: both products'
+    # weights are written first.
+    assert _dequantizations(None, "dequant") == 2
+    assert _dequantizations(jnp.bfloat16, "default") == 2

@@ -243,8 +243,18 @@ class QuantizedArray(_engine.ArrayValue, metaclass=_engine.FastPytreeMeta):
                                                       self.scale_scales, self.scale_offset))
         if ss is not None:
             scales = F.double_dequantize(scales, ss, so)
+        elif self.scaled_in_dense_dtype:  # the same values, in the form a GPU GEMM fuses
+            return F.scaled_blocks(codes, scales)
         w = F.dequantize_blocks(self.format, codes, scales, mins)
         return w.astype(self.dense_dtype)
+
+    @property
+    def scaled_in_dense_dtype(self) -> bool:
+        """8-bit codes whose scales are stored in the 16-bit `dense_dtype`: dequantized as
+        one product in that dtype (bit for bit the float32 one), which XLA's GPU compiler
+        can fuse into the matrix product reading the codes (docs/qlora.md)."""
+        return (self.scale_scales is None
+                and F.scales_in_dense_dtype(self.format, self.scales.dtype, self.dense_dtype))
 
     def dequantize(self, dtype: Any = None) -> Array:
         """The dense array.
@@ -279,8 +289,8 @@ class QuantizedArray(_engine.ArrayValue, metaclass=_engine.FastPytreeMeta):
 
     @classmethod
     def from_dense(cls, w: Array, qtype: str = "nf4", *, block_size: int | None = None,
-                   axis: int = -2, double_quant: bool = False,
-                   dtype: Any = None) -> "QuantizedArray":
+                   axis: int = -2, double_quant: bool = False, dtype: Any = None,
+                   scale_dtype: Any = None) -> "QuantizedArray":
         """Quantize one array.
 
         **Arguments:**
@@ -294,6 +304,10 @@ class QuantizedArray(_engine.ArrayValue, metaclass=_engine.FastPytreeMeta):
         - `axis`: the block axis (default `-2`, an `(in, out)` kernel's input axis).
         - `double_quant`: NF4 only: also quantize the absmax values (8 bits, blocks of 256).
         - `dtype`: the dense value's dtype (default `w`'s).
+        - `scale_dtype`: the dtype the scales are stored in (default the format's:
+          float32, float16 for GGUF's types, which cannot change). `int8` with scales in
+          a bfloat16 or float16 `dtype` dequantizes as one product in that dtype, which
+          XLA's GPU compiler can fuse into the matrix product (docs/qlora.md).
 
         **Returns:**
 
@@ -303,9 +317,11 @@ class QuantizedArray(_engine.ArrayValue, metaclass=_engine.FastPytreeMeta):
         fmt = F.get_format(qtype)
         shape = tuple(jnp.shape(w))
         dtype = jnp.dtype(dtype or jnp.result_type(w))
-        check_quantizable(fmt, shape, jnp.result_type(w), axis, block_size, double_quant, "w")
+        check_quantizable(fmt, shape, jnp.result_type(w), axis, block_size, double_quant, "w",
+                          scale_dtype)
         bs = resolve_block_size(fmt, shape[axis], block_size)
-        leaves = _quantize_leaves(jnp.asarray(w), qtype, bs, axis, double_quant)
+        sd = None if scale_dtype is None else jnp.dtype(scale_dtype)
+        leaves = _quantize_leaves(jnp.asarray(w), qtype, bs, axis, double_quant, sd)
         qa = cls(*leaves[:3], qtype=qtype, block_size=bs, axis=axis, dense_dtype=dtype,
                  scale_scales=leaves[3], scale_offset=leaves[4])
         sharding = getattr(w, "sharding", None)
@@ -391,7 +407,8 @@ def resolve_block_size(fmt: F.Format, k: int, block_size: int | None) -> int:
 
 
 def check_quantizable(fmt: F.Format, shape: tuple[int, ...], dtype: Any, axis: int,
-                      block_size: int | None, double_quant: bool, where: str) -> None:
+                      block_size: int | None, double_quant: bool, where: str,
+                      scale_dtype: Any = None) -> None:
     """Raise a `ValueError` naming `where` if the array cannot be quantized as asked."""
     if fmt.quantize is None:
         quantizable = ", ".join(n for n, f in F.FORMATS.items() if f.quantize is not None)
@@ -421,18 +438,38 @@ def check_quantizable(fmt: F.Format, shape: tuple[int, ...], dtype: Any, axis: i
             + ". Pass another block_size (or leave this weight dense with LORA_FULL).")
     if double_quant and fmt.name != "nf4":
         raise ValueError(f"quantize: double_quant is NF4's; got qtype {fmt.name!r}.")
+    if scale_dtype is not None:
+        check_scale_dtype(fmt, scale_dtype, double_quant, where)
 
 
-@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4))
+def check_scale_dtype(fmt: F.Format, scale_dtype: Any, double_quant: bool, where: str) -> None:
+    dt = jnp.dtype(scale_dtype)
+    if not jnp.issubdtype(dt, jnp.floating):
+        raise ValueError(f"quantize: scale_dtype must be a floating-point dtype; got {dt} "
+                         f"(for {where}).")
+    if not fmt.native and dt != jnp.dtype(fmt.scale_dtype):
+        raise ValueError(f"quantize: {fmt.name} stores its scales as {jnp.dtype(fmt.scale_dtype)}"
+                         f" (GGUF's layout); got scale_dtype={dt} (for {where}).")
+    if double_quant:
+        raise ValueError(f"quantize: double_quant stores the scales as 8-bit codes; "
+                         f"scale_dtype={dt} cannot apply too (for {where}).")
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4, 5))
 def _quantize_leaves(w: Array, qtype: str, block_size: int, axis: int,
-                     double_quant: bool) -> tuple[Any, ...]:
+                     double_quant: bool, scale_dtype: Any = None) -> tuple[Any, ...]:
     fmt = F.FORMATS[qtype]
     st = jnp.moveaxis(w, axis, -1).astype(jnp.float32)
     blocks = st.reshape(*st.shape[:-1], st.shape[-1] // block_size, block_size)
-    q, d, m = fmt.quantize(blocks)
+    stored = jnp.dtype(scale_dtype or fmt.scale_dtype)
+    if fmt.native and stored != jnp.dtype(fmt.scale_dtype):
+        # The codes are computed against the scales as stored, not as first computed.
+        q, d, m = fmt.quantize(blocks, lambda d: d.astype(stored).astype(jnp.float32))
+    else:
+        q, d, m = fmt.quantize(blocks)
     codes = F.pack(fmt, q).astype(fmt.code_dtype)
-    d = d.astype(fmt.scale_dtype)
-    m = None if m is None else m.astype(fmt.scale_dtype)
+    d = d.astype(stored)
+    m = None if m is None else m.astype(stored)
     if double_quant:
         dq, ds, off = F.double_quantize(d.astype(jnp.float32))
         return codes, dq, m, ds, off

@@ -69,10 +69,13 @@ class Format:
       or `"pairs"` (bitsandbytes: byte `j` holds codes `2j` (high) and `2j + 1` (low)).
       `"q5"` is Q5_0 / Q5_1's: 4 bytes of fifth bits, then nibbles as `"halves"`;
       `"k"`: a K-quant super-block, read by `decode`.
-    - `scale_dtype`: the dtype scales (and mins) are stored in.
+    - `scale_dtype`: the dtype scales (and mins) are stored in (lorax's own types may
+      store theirs in another: `quantize(..., scale_dtype=)`).
     - `quantize`: `blocks (..., n_blocks, block) f32 -> (codes, scales, mins)` with
       codes unpacked (`uint8` in `[0, 2**bits)` for packed codes, `int8` for 8-bit);
       `None` when lorax has no quantizer for the type (the K-quants: wrap GGUF blocks).
+      lorax's own types (`native`) take a second argument, `stored`: the scales as they
+      will be stored (rounded to another dtype), which their codes are computed against.
     - `value`: `(codes as f32, scales f32, mins f32 or None) -> values f32`, for
       formats with one code per value (`None` for the K-quants).
     - `has_mins`: the format stores `mins`.
@@ -88,7 +91,7 @@ class Format:
     bits: int
     packing: str | None
     scale_dtype: Any
-    quantize: Callable[[Array], tuple[Array, Array, Array | None]] | None
+    quantize: Callable[..., tuple[Array, Array, Array | None]] | None
     value: Callable[[Array, Array, Array | None], Array] | None
     has_mins: bool = False
     decode: Callable[[Array, Array, Array | None], Array] | None = None
@@ -102,6 +105,11 @@ class Format:
     @property
     def code_dtype(self) -> Any:
         return jnp.int8 if self.bits == 8 else jnp.uint8
+
+    @property
+    def native(self) -> bool:
+        """lorax's own type (not GGUF's): its scales may be stored in another dtype."""
+        return self.record is None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,20 +147,24 @@ def _round_half_away(x: Array) -> Array:
 # -- quantizers: blocks (..., n_blocks, block) float32 -> codes, scales, mins ----------
 
 
-def _q_int8(blocks: Array) -> tuple[Array, Array, None]:
-    d = _absmax(blocks) / 127.0
+def _stored(d: Array) -> Array:
+    return d
+
+
+def _q_int8(blocks: Array, stored: Callable[[Array], Array] = _stored) -> tuple[Array, Array, None]:
+    d = stored(_absmax(blocks) / 127.0)
     q = jnp.clip(jnp.round(blocks * _safe_inverse(d)[..., None]), -127, 127)
     return q.astype(jnp.int8), d, None
 
 
-def _q_int4(blocks: Array) -> tuple[Array, Array, None]:
-    d = _absmax(blocks) / 7.0
+def _q_int4(blocks: Array, stored: Callable[[Array], Array] = _stored) -> tuple[Array, Array, None]:
+    d = stored(_absmax(blocks) / 7.0)
     q = jnp.clip(jnp.round(blocks * _safe_inverse(d)[..., None]), -8, 7) + 8
     return q.astype(jnp.uint8), d, None
 
 
-def _q_nf4(blocks: Array) -> tuple[Array, Array, None]:
-    absmax = _absmax(blocks)
+def _q_nf4(blocks: Array, stored: Callable[[Array], Array] = _stored) -> tuple[Array, Array, None]:
+    absmax = stored(_absmax(blocks))
     normed = blocks * _safe_inverse(absmax)[..., None]
     # Nearest code: the code book is sorted, so compare against the midpoints.
     mid = jnp.asarray((NF4_CODE[1:] + NF4_CODE[:-1]) / 2)
@@ -409,6 +421,29 @@ def double_dequantize(codes: Array, scales: Array, offset: Array) -> Array:
     padded = jnp.pad(flat, [(0, 0)] * len(lead) + [(0, g * DOUBLE_QUANT_BLOCK - n)])
     values = padded.reshape(*lead, g, DOUBLE_QUANT_BLOCK) * scales[..., None]
     return (values.reshape(*lead, -1)[..., :n] + offset).reshape(*lead, *tail)
+
+
+def scales_in_dense_dtype(fmt: Format, scale_dtype: Any, dense_dtype: Any) -> bool:
+    """Whether the dense value is `codes * scales` computed in `dense_dtype`, equal bit for
+    bit to the float32 product rounded to it: 8-bit codes (exact in a 16-bit float) times
+    scales stored in that float make at most 8 + 11 significant bits, exact in float32,
+    so both forms round the same exact product once.
+
+    It is the form XLA's GPU compiler fuses into the matrix product that reads the weight
+    (with `xla_gpu_experimental_enable_subchannel_dequantisation_fusion`): the product
+    then reads the int8 codes and no dense weight is written. A float32 product cast
+    afterwards, or any further operation on the codes, is not fused."""
+    dense = jnp.dtype(dense_dtype)
+    return (fmt.value is _v_scaled and fmt.decode is None and fmt.bits == 8
+            and jnp.issubdtype(dense, jnp.floating) and dense.itemsize == 2
+            and jnp.dtype(scale_dtype) == dense)
+
+
+def scaled_blocks(codes: Array, scales: Array) -> Array:
+    """`(*other, n_blocks, block)` int8 codes times `(*other, n_blocks)` scales, in the
+    scales' dtype (see `scales_in_dense_dtype`) -> `(*other, n_blocks * block)`."""
+    v = codes.astype(scales.dtype) * scales[..., None]
+    return lax.collapse(v, v.ndim - 2)
 
 
 def decode_blocks(fmt: Format, codes: Array, scales: Array, mins: Array | None) -> Array:

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 
 from .._spec import LORA_FREEZE, as_lora_spec, check_spec_structure, path_str, spec_axes
 from . import _formats as F
-from ._array import QuantizedArray, check_quantizable
+from ._array import QuantizedArray, check_quantizable, check_scale_dtype
 
 
 def _block_axis(spec_val: Any, ndim: int) -> int | None:
@@ -40,6 +40,7 @@ def quantize(
     block_size: int | None = None,
     dtype: Any = None,
     double_quant: bool = False,
+    scale_dtype: Any = None,
     axis: int | Callable[[str, Any], int | None] | None = None,
     min_size: int = 4096,
     is_leaf: Callable[[Any], bool] | None = None,
@@ -78,6 +79,12 @@ def quantize(
     - `dtype`: the dtype the weights dequantize to (default: each leaf's own).
     - `double_quant`: NF4 only: also quantize the per-block absmax values (8 bits per
       256 of them), as QLoRA does: 0.127 instead of 0.141 bytes per f32 byte.
+    - `scale_dtype`: the dtype the scales are stored in (default float32; GGUF's types
+      keep float16). `"int8"` with `scale_dtype` equal to a bfloat16 or float16 `dtype`
+      dequantizes as one product in that dtype, bit for bit the float32 one, which XLA's
+      GPU compiler can fuse into the matrix product: it then reads the int8 codes and
+      writes no dense weight (`xla_gpu_experimental_enable_subchannel_dequantisation_fusion`;
+      docs/qlora.md). The codes are computed against the scales as stored.
     - `axis`: the block axis for every quantized leaf (counted from the end), or a
       function `(key path string, leaf) -> axis or None` (`None`: the default rule).
     - `min_size`: `LORA_FREEZE` leaves with fewer values stay dense (LoRA targets are
@@ -112,18 +119,21 @@ def quantize(
     fmt = F.get_format(qtype)
     if fmt.quantize is None:  # otherwise every frozen leaf would quietly stay dense
         check_quantizable(fmt, (1, 1), jnp.float32, -2, None, False, "every weight")
+    if scale_dtype is not None:  # else frozen leaves would quietly stay dense
+        check_scale_dtype(fmt, scale_dtype, double_quant, "every weight")
     check_spec_structure(spec, params, "quantize", is_leaf)
     leaves, treedef = jax.tree_util.tree_flatten_with_path(params, is_leaf=is_leaf)
     spec_leaves = treedef.flatten_up_to(spec)
     options = dict(block_size=block_size, dtype=dtype, double_quant=double_quant, axis=axis,
-                   min_size=min_size)
+                   min_size=min_size, scale_dtype=scale_dtype)
     out = [_quantize_leaf(fmt, path, x, spec_val, **options)
            for (path, x), spec_val in zip(leaves, spec_leaves)]
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
 def _quantize_leaf(fmt: F.Format, path: Any, x: Any, spec_val: Any, *, block_size: int | None,
-                   dtype: Any, double_quant: bool, axis: Any, min_size: int) -> Any:
+                   dtype: Any, double_quant: bool, axis: Any, min_size: int,
+                   scale_dtype: Any) -> Any:
     """One leaf of `quantize`: its `QuantizedArray`, or the leaf itself where it stays dense."""
     where = repr(path_str(path))
     shape = tuple(getattr(x, "shape", ()))
@@ -141,7 +151,7 @@ def _quantize_leaf(fmt: F.Format, path: Any, x: Any, spec_val: Any, *, block_siz
     chosen = axis(path_str(path), x) if callable(axis) else axis
     ax = default if chosen is None else int(chosen)
     try:
-        check_quantizable(fmt, shape, dtype_x, ax, block_size, double_quant, where)
+        check_quantizable(fmt, shape, dtype_x, ax, block_size, double_quant, where, scale_dtype)
     except ValueError:
         if target:
             raise
@@ -155,6 +165,7 @@ def _quantize_leaf(fmt: F.Format, path: Any, x: Any, spec_val: Any, *, block_siz
         return x
     try:
         return QuantizedArray.from_dense(x, fmt.name, block_size=block_size, axis=ax,
-                                         double_quant=double_quant, dtype=dtype)
+                                         double_quant=double_quant, dtype=dtype,
+                                         scale_dtype=scale_dtype)
     except ValueError as err:  # a sharding the blocks cannot follow
         raise ValueError(f"quantize: {where}: {err}") from None

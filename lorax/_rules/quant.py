@@ -50,13 +50,18 @@ _INT_OF_WIDTH = {1: jnp.int8, 2: jnp.int16, 4: jnp.int32, 8: jnp.int64}
 
 
 def _after(codes: Array, dep: Array) -> Array:
-    """`codes`, with a data dependence on `dep` that XLA cannot see through.
+    """`codes` (or float scales, bit for bit), with a data dependence on `dep` that XLA
+    cannot see through.
 
     `min(bits & INT_MAX, 0)` is 0 for every bit pattern, NaN and inf included, but no
     XLA pass proves it, so the dequantization reading the result waits for `dep`.
     """
     if dep.size == 0:
         return codes
+    if jnp.issubdtype(codes.dtype, jnp.floating):
+        as_int = _INT_OF_WIDTH[jnp.dtype(codes.dtype).itemsize]
+        tied = _after(lax.bitcast_convert_type(codes, as_int), dep)
+        return lax.bitcast_convert_type(tied, codes.dtype)
     # One element, sliced where it is: flattening `dep` first would make a sharded
     # activation be all-gathered whole just to read it (FSDP).
     first = lax.reshape(lax.slice(dep, (0,) * dep.ndim, (1,) * dep.ndim), ())
@@ -84,10 +89,18 @@ def _dense_storage(meta: "_Meta", leaves: tuple, dep: Array | None) -> Array:
     # Host-resident leaves (`lorax.offload_frozen`) move here, as codes, before use.
     codes, scales, mins, ss, so = (None if x is None else gathered(on_device(x), meta.mesh)
                                    for x in leaves)
-    qa = QuantizedArray(codes if dep is None else _after(codes, dep), scales, mins, scale_scales=ss, scale_offset=so,
+    qa = QuantizedArray(codes, scales, mins, scale_scales=ss, scale_offset=so,
                         qtype=meta.qtype, block_size=meta.block_size, axis=meta.axis,
                         dense_dtype=meta.dense_dtype)
-    return qa.dequantize_storage()
+    return (qa if dep is None else _tied(qa, dep)).dequantize_storage()
+
+
+def _tied(qa: QuantizedArray, dep: Array) -> QuantizedArray:
+    # A product XLA's GPU compiler fuses into the GEMM must read the codes as they are
+    # (an operation on them ends the fusion), so such a weight waits on its scales.
+    if qa.scaled_in_dense_dtype:
+        return qa.with_leaves((qa.codes, _after(qa.scales, dep), *_leaves(qa)[2:]))
+    return qa.with_leaves((_after(qa.codes, dep), *_leaves(qa)[1:]))
 
 
 @dataclasses.dataclass(frozen=True)
