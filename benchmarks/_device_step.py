@@ -40,6 +40,8 @@ HOST_BLOCK = 1 << 26  # bytes of fresh random codes per host leaf (`_host_fill`)
 
 def _fill(sds: Any, key: Any, scale: bool) -> Any:
     dt = jnp.dtype(sds.dtype)
+    if dt == jnp.dtype(jnp.int4):  # 4-bit codes, one per element
+        return jax.random.randint(key, sds.shape, -8, 8, jnp.int8).astype(dt)
     if jnp.issubdtype(dt, jnp.integer):  # codes: random bits
         bits = jax.random.bits(key, sds.shape, jnp.dtype(f"uint{dt.itemsize * 8}"))
         return jax.lax.bitcast_convert_type(bits, dt)
@@ -52,7 +54,11 @@ def _host_fill(sds: Any, seed: int, scale: bool) -> Any:
     """`_fill`'s kind of values made by NumPy, put in the device's host memory: a frozen
     stack is never whole on the device, not even while it is made."""
     rng, dt = np.random.default_rng(seed), jnp.dtype(sds.dtype)
-    if jnp.issubdtype(dt, jnp.integer):
+    if dt == jnp.dtype(jnp.int4):  # (NumPy's int4 takes a byte each: one code per byte)
+        n = int(np.prod(sds.shape))
+        block = rng.integers(-8, 8, min(n, HOST_BLOCK), np.int8)
+        x = _repeated(block, n).astype(dt).reshape(sds.shape)
+    elif jnp.issubdtype(dt, jnp.integer):
         # One random block repeated: NumPy's generator made ~0.3 GB/s on the card's host, so
         # 70B's 33 GiB of codes drawn whole took 100 s of device time, and a code's value
         # does not change the step's speed.
@@ -197,14 +203,18 @@ def compiled_step(cell: Cell) -> tuple[Any, tuple, dict]:
 # XLA's fusion of a dequantization into the product reading it (`benchmarks.gpu_compile`'s
 # `dequant`): int8 codes times scales in the weight's dtype, the dot merger off so that a
 # layer's k and v products are not joined over written weights (docs/qlora.md).
+# int4 codes (`s4`) stay packed along the axis they are stored in: XLA would otherwise
+# lay every stacked weight out again for the backward product, once per step, whole.
 DEQUANT_OPTIONS = {"xla_gpu_experimental_enable_subchannel_dequantisation_fusion": True,
-                   "xla_gpu_dot_merger_threshold_mb": 0}
+                   "xla_gpu_dot_merger_threshold_mb": 0,
+                   "xla_gpu_experimental_pack_dot_operands_along_k_dimension": False}
 
 
 def compiler_options(method: str) -> dict[str, Any] | None:
-    """The compile options a method is measured with: `qlora-int8-bf16` on a GPU, XLA's
-    dequantization fusion; every other method, none."""
-    if method.removesuffix("+host") == "qlora-int8-bf16" and jax.default_backend() == "gpu":
+    """The compile options a method is measured with: `qlora-int8-bf16` and
+    `qlora-s4-bf16` on a GPU, XLA's dequantization fusion; every other method, none."""
+    fused = method.removesuffix("+host") in ("qlora-int8-bf16", "qlora-s4-bf16")
+    if fused and jax.default_backend() == "gpu":
         return dict(DEQUANT_OPTIONS)
     return None
 

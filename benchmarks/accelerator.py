@@ -10,8 +10,9 @@ random codes and small positive scales: nothing dense is made first). A cell is
     MODEL:METHOD:BATCH:REMAT:ATTENTION[:LAYERS]     e.g. llama-3-8b:lora:1:none:auto
 
 - METHOD: `lora` (dense frozen base), `qlora-nf4` (double-quantized), `qlora-int8`,
-  `qlora-int8-bf16` (its scales in bf16, compiled with XLA's dequantization fusion on a
-  GPU: the products read the int8 codes), `qlora-q4_k` (GGUF's blocks), `hand` (LoRA written by hand into the same model code),
+  `qlora-int8-bf16` and `qlora-s4-bf16` (int8 or int4 codes, scales in bf16, compiled
+  with XLA's dequantization fusion on a GPU: the products read the codes),
+  `qlora-q4_k` (GGUF's blocks), `hand` (LoRA written by hand into the same model code),
   `full` (every weight trained, bf16 Adam moments); `+host` after a `lora`/`qlora`
   method (`qlora-nf4+host`): its frozen weights in host memory (`lorax.offload_frozen`,
   made there, never whole on the device), each layer's moved in when it is read;
@@ -67,14 +68,16 @@ GiB = 2**30
 ROOT = Path(__file__).resolve().parent.parent
 # Dense bf16 matrix rate by the vendor's datasheet (SXM parts), TFLOP/s.
 DATASHEET_TFLOPS = {"H100": 989.4, "H200": 989.4, "A100": 312.0, "L4": 121.0}
-METHODS = ("lora", "qlora-nf4", "qlora-int8", "qlora-int8-bf16", "qlora-q4_k", "hand", "full")
+METHODS = ("lora", "qlora-nf4", "qlora-int8", "qlora-int8-bf16", "qlora-s4-bf16", "qlora-q4_k",
+           "hand", "full")
 DEFAULT_CELLS = (
     "llama-3-8b:lora:1:layer:chunked", "llama-3-8b:lora:1:layer:auto",
     "llama-3-8b:lora:1:dots:auto", "llama-3-8b:lora:1:none:auto",
     "llama-3-8b:hand:1:none:auto", "llama-3-8b:hand:1:layer:auto",
     "llama-3-8b:qlora-nf4:1:layer:auto", "llama-3-8b:qlora-nf4:1:none:auto",
     "llama-3-8b:qlora-int8:1:layer:auto", "llama-3-8b:qlora-int8-bf16:1:layer:auto",
-    "llama-3-8b:qlora-q4_k:1:layer:auto", "llama-3-8b:full:1:layer:auto",
+    "llama-3-8b:qlora-s4-bf16:1:layer:auto", "llama-3-8b:qlora-q4_k:1:layer:auto",
+    "llama-3-8b:full:1:layer:auto",
     "llama-3-8b:lora:4:none:auto", "llama-3-8b:lora:4:dots:auto",
     "llama-3-8b:lora:1:none:auto:unrolled", "llama-3-8b:lora:1:dots:auto:unrolled",
     "llama-3-8b:hand:1:none:auto:unrolled", "llama-3-8b:qlora-nf4:1:none:auto:unrolled",
@@ -88,23 +91,23 @@ DEFAULT_CELLS = (
     "peft:llama-3-8b:4:eager:off",
 )
 # What the open questions still need from a card, most wanted first (`--cells pending`):
-# unrolled layers against the scanned recipe, hand-written LoRA and PyTorch's fastest
-# configuration (its first step compiles for ~2 minutes), then remat `offload` (kept inputs
+# unrolled layers against the scanned recipe and hand-written LoRA; QLoRA whose products
+# read the codes (`-bf16`: int4, int8) against dense LoRA and nf4; PyTorch's fastest
+# configuration (its first step compiles for ~2 minutes); then remat `offload` (kept inputs
 # in host memory) beside remat `layer`; each ratio's two sides in the same run. Host offload
 # at 8B and 70B was measured (docs/qlora.md); `scripts/card` reruns it under an XLA flag.
-# QLoRA whose products read int8 codes (`qlora-int8-bf16`) against dense LoRA and int8.
 PENDING_CELLS = (
     "llama-3-8b:lora:1:none:auto:unrolled", "llama-3-8b:lora:1:none:auto",
-    "llama-3-8b:hand:1:none:auto:unrolled", "peft:llama-3-8b:1:compiled:off",
-    "llama-3-8b:lora:1:layer:auto", "llama-3-8b:qlora-int8-bf16:1:layer:auto",
-    "llama-3-8b:qlora-int8:1:layer:auto",
+    "llama-3-8b:hand:1:none:auto:unrolled", "llama-3-8b:lora:1:layer:auto",
+    "llama-3-8b:qlora-s4-bf16:1:layer:auto", "llama-3-8b:qlora-nf4:1:layer:auto",
+    "peft:llama-3-8b:1:compiled:off", "llama-3-8b:qlora-int8-bf16:1:layer:auto",
     "llama-3-8b:lora:1:dots:auto:unrolled", "llama-3-8b:qlora-nf4:1:none:auto:unrolled",
     "llama-3-8b:qlora-nf4:1:none:auto", "llama-3-8b:lora:1:layer:auto:unrolled",
     "llama-3-8b:qlora-nf4+host:1:offload:auto", "llama-3-8b:qlora-nf4+host:1:layer:auto",
 )
 # Each method family, remat choice and attention path at least once (CI's smoke run).
 QUICK_CELLS = ("tiny:lora:1:layer:auto", "tiny:qlora-nf4:1:none:auto", "tiny:hand:1:dots:auto",
-               "tiny:qlora-int8-bf16:1:layer:auto",
+               "tiny:qlora-s4-bf16:1:layer:auto",
                "tiny:full:1:layer:xla", "tiny:qlora-nf4+host:1:none:auto",
                "tiny:lora:1:none:auto:unrolled", "tiny:hand:1:none:auto:unrolled",
                "peft:tiny:1:eager:off")

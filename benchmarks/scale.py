@@ -155,8 +155,8 @@ def build(cfg: Any, method: str, dtype: Any, layers: str = "scan") -> tuple[Any,
     """Abstract parameters for a method (`LoraWeight`s, `QuantizedArray`s), and its spec.
     `qlora-<qtype>`: every frozen matrix quantized (`lorax.quantize`'s rule; K-quants,
     which only GGUF files carry, as `QuantizedArray.from_gguf` holds them). `layers`: one
-    of `LAYER_LOOPS`. `qlora-int8-bf16`: int8 with its scales in the model's dtype (the
-    form XLA's GPU compiler fuses into the matrix products)."""
+    of `LAYER_LOOPS`. `qlora-<qtype>-bf16` (`int8`, `s4`): scales in the model's dtype
+    (the form XLA's GPU compiler fuses into the matrix products)."""
     params = abstract_params(cfg, dtype, layers)
     spec = spec_for(params, method)
     if method.startswith("qlora"):

@@ -152,12 +152,12 @@ def test_memory_gib_is_the_memory_xla_plans_for():
     assert row["memory_gib"] == 24 and row["prefetching_loops"] == 2
 
 
-def _dequantizations(scale_dtype, flags: str) -> int:
+def _dequantizations(scale_dtype, flags: str, qtype: str = "int8") -> int:
     """Weights written by dequantizations in the compiled QLoRA step of one projection
-    (int8 codes, blocks of 64; values and the factors' and input's gradients)."""
+    (codes in blocks of 64; values and the factors' and input's gradients)."""
     w = jax.ShapeDtypeStruct((1024, 1024), jnp.bfloat16)
     params = jax.eval_shape(lambda w: lorax.init_lora(lorax.quantize(
-        {"w": w}, {"w": 8}, "int8", block_size=64, scale_dtype=scale_dtype), {"w": 8},
+        {"w": w}, {"w": 8}, qtype, block_size=64, scale_dtype=scale_dtype), {"w": 8},
         jax.random.PRNGKey(0)), w)
     trainable, frozen = lorax.partition(params, {"w": 8})
 
@@ -173,10 +173,29 @@ def _dequantizations(scale_dtype, flags: str) -> int:
 
 
 @needs_plugin
-def test_int8_codes_with_scales_in_the_weight_dtype_are_read_by_the_products_themselves():
+@pytest.mark.parametrize("qtype", ["int8", "s4"])
+def test_codes_with_scales_in_the_weight_dtype_are_read_by_the_products_themselves(qtype):
     # The forward product and the input's gradient each read the codes: no weight written.
-    assert _dequantizations(jnp.bfloat16, "dequant") == 0
+    assert _dequantizations(jnp.bfloat16, "dequant", qtype) == 0
     # Controls: float32 scales (a float32 product, cast), or no flag: both products'
     # weights are written first.
-    assert _dequantizations(None, "dequant") == 2
-    assert _dequantizations(jnp.bfloat16, "default") == 2
+    assert _dequantizations(None, "dequant", qtype) == 2
+    assert _dequantizations(jnp.bfloat16, "default", qtype) == 2
+
+
+@needs_plugin
+def test_int4_stacks_are_not_laid_out_again_for_the_backward_product(monkeypatch):
+    # The 8B step's stacked int4 codes, whole, would be 1.8 GiB of copies (gate/up and
+    # down): the tiny model's stacks are what is checked here, with XLA's relayout as the
+    # control.
+    cfg = S.config("tiny", "cudnn", "layer")
+    abstract, spec = S.build(cfg, "qlora-s4-bf16", jnp.bfloat16)
+    codes = [x for x in jax.tree_util.tree_leaves(lorax.partition(abstract, spec)[1])
+             if x.dtype == jnp.int4 and x.ndim == 4]
+    stack = max(math.prod(x.shape) for x in codes) // 2  # bytes, packed
+    kept = G.measure("h200", "tiny:qlora-s4-bf16:dequant")
+    monkeypatch.setitem(G.FLAGS, "relayout", {
+        **G.FLAGS["dequant"], "xla_gpu_experimental_pack_dot_operands_along_k_dimension": True})
+    relaid = G.measure("h200", "tiny:qlora-s4-bf16:relayout")
+    assert kept["dense_writes"] == relaid["dense_writes"] == 0
+    assert (relaid["device_temps_gib"] - kept["device_temps_gib"]) * G.GiB >= stack

@@ -20,7 +20,7 @@ from lorax._quant import _formats as F
 from tests.conftest import assert_close
 from lora_testing import tiny_llama
 
-QTYPES = ["int8", "int4", "nf4", "q4_0", "q4_1", "q8_0"]
+QTYPES = ["int8", "int4", "s4", "nf4", "q4_0", "q4_1", "q8_0"]
 GGUF_TYPES = {"q4_0": gguf.GGMLQuantizationType.Q4_0, "q4_1": gguf.GGMLQuantizationType.Q4_1,
               "q8_0": gguf.GGMLQuantizationType.Q8_0}
 
@@ -44,7 +44,8 @@ def test_round_trip_error_is_within_half_a_step_per_block(qtype):
     # Largest rounding step per block: absmax/127 (8-bit), absmax/7 (int4), (max-min)/15
     # (q4_1), NF4's widest gap (0.3039) times absmax. Q4_0 maps the extreme to -8 and so
     # clips the other sign at 7/8 of it: up to a whole step (absmax/8) there.
-    step = {"int8": amax / 127, "q8_0": amax / 127, "int4": amax / 7, "q4_0": amax / 4,
+    step = {"int8": amax / 127, "q8_0": amax / 127, "int4": amax / 7, "s4": amax / 7,
+            "q4_0": amax / 4,
             "q4_1": span / 15, "nf4": amax * 0.3039}[qtype]
     # GGUF stores scales (and mins) in float16: their rounding (2^-11 relative) adds up
     # to ~1.5 * 2^-11 * absmax on top of the half step.
@@ -60,13 +61,14 @@ def test_values_on_the_grid_round_trip_exactly(qtype):
     bs = fmt.block_size or 64
     rng = np.random.default_rng(0)
     levels = {"int8": np.arange(-127, 128), "q8_0": np.arange(-127, 128),
-              "int4": np.arange(-7, 8), "q4_0": np.arange(-8, 8), "q4_1": np.arange(0, 16),
+              "int4": np.arange(-7, 8), "s4": np.arange(-7, 8), "q4_0": np.arange(-8, 8),
+              "q4_1": np.arange(0, 16),
               "nf4": F.NF4_CODE}[qtype]
     codes = rng.choice(levels, size=(bs, 16)).astype(np.float32)
     # Pin each column's extreme so the block's scale is exactly the grid's step.
     if qtype in ("int8", "q8_0"):
         codes[0] = 127
-    elif qtype == "int4":
+    elif qtype in ("int4", "s4"):
         codes[0] = 7
     elif qtype == "q4_0":
         codes[0] = -8
@@ -89,13 +91,15 @@ def test_nf4_code_book_is_qlora_s_and_rounds_to_the_nearest_code():
 
 
 @pytest.mark.parametrize("qtype,limit", [("nf4", 0.16), ("q4_0", 0.16), ("q4_1", 0.16),
-                                         ("int4", 0.16), ("int8", 0.27), ("q8_0", 0.27)])
+                                         ("int4", 0.16), ("s4", 0.16), ("int8", 0.27),
+                                         ("q8_0", 0.27)])
 def test_bytes_scales_included(qtype, limit):
     w = _w((1024, 256))
     q = lorax.QuantizedArray.from_dense(w, qtype)
     assert q.nbytes <= limit * w.nbytes, (q.nbytes / w.nbytes)
     packed = q.codes.dtype == jnp.uint8 and q.codes.size * 2 == w.size
-    assert packed or F.FORMATS[qtype].bits == 8
+    int4 = q.codes.dtype == jnp.int4 and q.codes.size == w.size  # two per byte, by XLA
+    assert packed or int4 or F.FORMATS[qtype].bits == 8
 
 
 def test_nf4_double_quantization_saves_bytes_and_stays_close():
@@ -455,7 +459,7 @@ def test_save_adapter_and_load_it_onto_a_quantized_base(tmp_path):
 
 def test_bad_input_names_the_key_path():
     params, spec, _ = _mlp()
-    with pytest.raises(ValueError, match="unknown qtype 'nf5'.*int8, int4, nf4, q4_0, q4_1, q5_0, q5_1, q8_0, q2_k, q3_k, q4_k, q5_k, q6_k"):
+    with pytest.raises(ValueError, match="unknown qtype 'nf5'.*int8, int4, nf4, s4, q4_0, q4_1, q5_0, q5_1, q8_0, q2_k, q3_k, q4_k, q5_k, q6_k"):
         lorax.quantize(params, spec, "nf5")
     with pytest.raises(ValueError, match=r"'l1/kernel'.*\(64, 64\).*block size 24"):
         lorax.quantize(params, spec, "nf4", block_size=24)

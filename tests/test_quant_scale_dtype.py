@@ -26,26 +26,28 @@ def _float32_product(qa: lorax.QuantizedArray) -> jax.Array:
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
-@pytest.mark.parametrize("block_size", [None, 32])
-def test_int8_with_scales_in_the_dense_dtype_equals_the_float32_product_bit_for_bit(dtype, block_size):
+@pytest.mark.parametrize("qtype,block_size", [("int8", None), ("int8", 32), ("s4", None),
+                                              ("s4", 128)])
+def test_scales_in_the_dense_dtype_give_the_float32_product_bit_for_bit(dtype, qtype, block_size):
     w = (0.05 * jax.random.normal(jax.random.PRNGKey(0), (256, 96))).astype(dtype)
-    qa = lorax.QuantizedArray.from_dense(w, "int8", block_size=block_size, scale_dtype=dtype)
+    qa = lorax.QuantizedArray.from_dense(w, qtype, block_size=block_size, scale_dtype=dtype)
     assert qa.scales.dtype == dtype and qa.scaled_in_dense_dtype
     np.testing.assert_array_equal(_bits(qa.dequantize_storage()), _bits(_float32_product(qa)))
 
 
 @given(codes=st.lists(st.integers(-128, 127), min_size=64, max_size=64),
        scale_bits=st.lists(st.integers(0x0080, 0x7F7F), min_size=2, max_size=2),
-       negative=st.booleans())
+       negative=st.booleans(), int4=st.booleans())
 def test_the_product_in_bfloat16_is_the_rounded_float32_product_for_any_normal_scale(
-        codes, scale_bits, negative):
-    # Every int8 code against any normal bfloat16 scale (the bit patterns between the
-    # smallest normal and the largest finite value), either sign.
+        codes, scale_bits, negative, int4):
+    # Every int8 (or int4) code against any normal bfloat16 scale (the bit patterns
+    # between the smallest normal and the largest finite value), either sign.
     scales = jax.lax.bitcast_convert_type(jnp.asarray(scale_bits, jnp.uint16), jnp.bfloat16)
     scales = -scales if negative else scales
     c = jnp.asarray(codes, jnp.int8).reshape(1, 2, 32)
-    qa = lorax.QuantizedArray(c, scales.reshape(1, 2), qtype="int8", block_size=32,
-                              dense_dtype=jnp.bfloat16)
+    c = (c // 16).astype(jnp.int4) if int4 else c
+    qa = lorax.QuantizedArray(c, scales.reshape(1, 2), qtype="s4" if int4 else "int8",
+                              block_size=32, dense_dtype=jnp.bfloat16)
     assert qa.scaled_in_dense_dtype
     np.testing.assert_array_equal(_bits(qa.dequantize_storage()), _bits(_float32_product(qa)))
 
@@ -69,7 +71,7 @@ def test_other_combinations_keep_the_float32_form(qtype, scale_dtype, dtype):
     np.testing.assert_array_equal(np.asarray(qa.dequantize_storage()), np.asarray(_float32_product(qa)))
 
 
-@pytest.mark.parametrize("qtype", ["int8", "int4", "nf4"])
+@pytest.mark.parametrize("qtype", ["int8", "int4", "s4", "nf4"])
 def test_codes_are_computed_against_the_scales_as_stored(qtype):
     # Rounding the scales after the codes were chosen would leave codes made for other
     # scales: the error would then exceed half a step of the stored scale.
@@ -80,17 +82,18 @@ def test_codes_are_computed_against_the_scales_as_stored(qtype):
                                             scale_dtype=jnp.bfloat16)
     np.testing.assert_array_equal(np.asarray(again.codes), np.asarray(qa.codes))
     # Half the widest gap between two neighbouring codes, in units of the block's absmax.
-    half = {"int8": 0.5 / 127, "int4": 0.5 / 7, "nf4": float(np.diff(F.NF4_CODE).max()) / 2}[qtype]
+    half = {"int8": 0.5 / 127, "int4": 0.5 / 7, "s4": 0.5 / 7, "nf4": float(np.diff(F.NF4_CODE).max()) / 2}[qtype]
     absmax = jnp.abs(w).reshape(8, 32, 64).max(axis=1)  # blocks of 32 along the input axis
     bound = jnp.repeat(absmax, 32, axis=0) * half * (1 + 2**-8)  # the scale's rounding
     assert (jnp.abs(qa.dequantize() - w) <= bound).all()
 
 
-def test_lora_values_and_gradients_equal_the_float32_form():
+@pytest.mark.parametrize("qtype", ["int8", "s4"])
+def test_lora_values_and_gradients_equal_the_float32_form(qtype):
     x = jax.random.normal(jax.random.PRNGKey(4), (8, 128), jnp.bfloat16)
     w = (0.05 * jax.random.normal(jax.random.PRNGKey(5), (128, 64))).astype(jnp.bfloat16)
     spec = {"w": 4}
-    fused = lorax.quantize({"w": w}, spec, "int8", block_size=32, scale_dtype=jnp.bfloat16)
+    fused = lorax.quantize({"w": w}, spec, qtype, block_size=32, scale_dtype=jnp.bfloat16)
     plain = {"w": fused["w"].with_leaves(
         (fused["w"].codes, fused["w"].scales.astype(jnp.float32), None, None, None))}
     assert fused["w"].scaled_in_dense_dtype and not plain["w"].scaled_in_dense_dtype

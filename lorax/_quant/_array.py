@@ -140,7 +140,7 @@ class QuantizedArray(_engine.ArrayValue, metaclass=_engine.FastPytreeMeta):
     @property
     def nbytes(self) -> int:
         """Bytes of every leaf (codes, scales and the rest): what the weight costs."""
-        return sum(x.size * jnp.dtype(x.dtype).itemsize for x in jax.tree_util.tree_leaves(self))
+        return sum(_nbytes(x) for x in jax.tree_util.tree_leaves(self))
 
     # -- sharding: the leaves follow the dense value's layout ---------------------------
 
@@ -250,9 +250,9 @@ class QuantizedArray(_engine.ArrayValue, metaclass=_engine.FastPytreeMeta):
 
     @property
     def scaled_in_dense_dtype(self) -> bool:
-        """8-bit codes whose scales are stored in the 16-bit `dense_dtype`: dequantized as
-        one product in that dtype (bit for bit the float32 one), which XLA's GPU compiler
-        can fuse into the matrix product reading the codes (docs/qlora.md)."""
+        """int8 or int4 codes whose scales are stored in the 16-bit `dense_dtype`:
+        dequantized as one product in that dtype (bit for bit the float32 one), which
+        XLA's GPU compiler can fuse into the matrix product reading the codes."""
         return (self.scale_scales is None
                 and F.scales_in_dense_dtype(self.format, self.scales.dtype, self.dense_dtype))
 
@@ -296,7 +296,7 @@ class QuantizedArray(_engine.ArrayValue, metaclass=_engine.FastPytreeMeta):
         **Arguments:**
 
         - `w`: a floating-point array with at least two axes.
-        - `qtype`: one of `"int8"`, `"int4"`, `"nf4"`, `"q4_0"`, `"q4_1"`, `"q5_0"`,
+        - `qtype`: one of `"int8"`, `"int4"`, `"s4"`, `"nf4"`, `"q4_0"`, `"q4_1"`, `"q5_0"`,
           `"q5_1"`, `"q8_0"` (the K-quants `"q2_k"` .. `"q6_k"` have no quantizer in
           lorax: wrap GGUF blocks with `from_gguf` or [`lorax.load_gguf`][]).
         - `block_size`: values per block along `axis` (default: the format's; `int8` is
@@ -305,9 +305,9 @@ class QuantizedArray(_engine.ArrayValue, metaclass=_engine.FastPytreeMeta):
         - `double_quant`: NF4 only: also quantize the absmax values (8 bits, blocks of 256).
         - `dtype`: the dense value's dtype (default `w`'s).
         - `scale_dtype`: the dtype the scales are stored in (default the format's:
-          float32, float16 for GGUF's types, which cannot change). `int8` with scales in
-          a bfloat16 or float16 `dtype` dequantizes as one product in that dtype, which
-          XLA's GPU compiler can fuse into the matrix product (docs/qlora.md).
+          float32, float16 for GGUF's types, which cannot change). `int8` or `s4` with
+          scales in a bfloat16 or float16 `dtype` dequantizes as one product in that
+          dtype, which XLA's GPU compiler can fuse into the matrix product (docs/qlora.md).
 
         **Returns:**
 
@@ -392,6 +392,14 @@ def _spec_axes(entry: Any) -> tuple:
     if entry is None or entry is P.UNCONSTRAINED:
         return ()
     return tuple(entry) if isinstance(entry, tuple) else (entry,)
+
+
+def _nbytes(x: Any) -> int:
+    # `int4` codes are two per byte where they live on an accelerator (XLA packs them);
+    # NumPy's and XLA:CPU's copies spend a byte on each.
+    if jnp.dtype(x.dtype) in (jnp.dtype(jnp.int4), jnp.dtype(jnp.uint4)):
+        return -(-x.size // 2)
+    return x.size * jnp.dtype(x.dtype).itemsize
 
 
 def _place(leaf: Any, sharding: NamedSharding) -> Any:

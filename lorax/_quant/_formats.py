@@ -6,7 +6,8 @@ channel's dot product). Storage puts that axis last and splits it into blocks, s
 a weight whose other axes are `other`:
 
 - `codes`: `(*other, n_blocks, code_bytes)`, `uint8` for 4-bit formats (two codes per
-  byte), `int8` for 8-bit ones;
+  byte), `int8` for 8-bit ones; `s4`'s are JAX's `int4` dtype, one code per element
+  (`(*other, n_blocks, block)`; XLA packs them two per byte on accelerators);
 - `scales`: `(*other, n_blocks)`, one per block (`float16` for GGUF's types, as on
   disk, `float32` otherwise; `uint8` codes when NF4's absmax values are
   double-quantized, with `scale_scales` / `scale_offset` beside them);
@@ -68,11 +69,13 @@ class Format:
       byte `j` holds code `j` in its low nibble and code `j + block/2` in its high one)
       or `"pairs"` (bitsandbytes: byte `j` holds codes `2j` (high) and `2j + 1` (low)).
       `"q5"` is Q5_0 / Q5_1's: 4 bytes of fifth bits, then nibbles as `"halves"`;
-      `"k"`: a K-quant super-block, read by `decode`.
+      `"k"`: a K-quant super-block, read by `decode`; `"int4"`: JAX's `int4` dtype, one
+      signed code per element (XLA packs them; its GPU GEMMs read them as they are).
     - `scale_dtype`: the dtype scales (and mins) are stored in (lorax's own types may
       store theirs in another: `quantize(..., scale_dtype=)`).
     - `quantize`: `blocks (..., n_blocks, block) f32 -> (codes, scales, mins)` with
-      codes unpacked (`uint8` in `[0, 2**bits)` for packed codes, `int8` for 8-bit);
+      codes unpacked (`uint8` in `[0, 2**bits)` for packed codes, `int8` for 8-bit and
+      for `s4`'s signed 4-bit ones);
       `None` when lorax has no quantizer for the type (the K-quants: wrap GGUF blocks).
       lorax's own types (`native`) take a second argument, `stored`: the scales as they
       will be stored (rounded to another dtype), which their codes are computed against.
@@ -98,13 +101,21 @@ class Format:
     record: "Record | None" = None
 
     def code_bytes(self, block_size: int) -> int:
+        """The codes' last axis per block: bytes, or `int4` elements (`element_codes`)."""
         if self.record is not None and self.packing in ("q5", "k"):
             return self.record.code_bytes
-        return block_size // 2 if self.bits == 4 else block_size
+        return block_size if self.element_codes else block_size // 2
 
     @property
     def code_dtype(self) -> Any:
+        if self.packing == "int4":
+            return jnp.int4
         return jnp.int8 if self.bits == 8 else jnp.uint8
+
+    @property
+    def element_codes(self) -> bool:
+        """One code per element of `codes` (8-bit codes, `int4` ones)."""
+        return self.bits == 8 or self.packing == "int4"
 
     @property
     def native(self) -> bool:
@@ -161,6 +172,12 @@ def _q_int4(blocks: Array, stored: Callable[[Array], Array] = _stored) -> tuple[
     d = stored(_absmax(blocks) / 7.0)
     q = jnp.clip(jnp.round(blocks * _safe_inverse(d)[..., None]), -8, 7) + 8
     return q.astype(jnp.uint8), d, None
+
+
+def _q_s4(blocks: Array, stored: Callable[[Array], Array] = _stored) -> tuple[Array, Array, None]:
+    d = stored(_absmax(blocks) / 7.0)
+    q = jnp.clip(jnp.round(blocks * _safe_inverse(d)[..., None]), -8, 7)
+    return q.astype(jnp.int8), d, None
 
 
 def _q_nf4(blocks: Array, stored: Callable[[Array], Array] = _stored) -> tuple[Array, Array, None]:
@@ -333,6 +350,7 @@ FORMATS: dict[str, Format] = {
         Format("int8", None, False, 8, None, jnp.float32, _q_int8, _v_scaled),
         Format("int4", 32, False, 4, "pairs", jnp.float32, _q_int4, _v_offset8),
         Format("nf4", 64, False, 4, "pairs", jnp.float32, _q_nf4, _v_nf4),
+        Format("s4", 64, False, 4, "int4", jnp.float32, _q_s4, _v_scaled),
         # GGUF's types. Record(size, d at, m at, codes from): bytes per block as on disk.
         _gguf("q4_0", 32, 4, "halves", _q_q4_0, _v_offset8, Record(18, 0, None, 2)),
         _gguf("q4_1", 32, 4, "halves", _q_q4_1, _v_q4_1, Record(20, 0, 2, 4)),
@@ -359,7 +377,7 @@ def get_format(qtype: str) -> Format:
 
 def pack(fmt: Format, q: Array) -> Array:
     """Unpacked codes `(..., block)` -> stored codes `(..., code_bytes)`."""
-    if fmt.bits == 8:
+    if fmt.element_codes:
         return q
     q = q.astype(jnp.uint8)
     half = q.shape[-1] // 2
@@ -375,7 +393,7 @@ def pack(fmt: Format, q: Array) -> Array:
 
 def unpack(fmt: Format, codes: Array) -> Array:
     """Stored codes `(..., code_bytes)` -> float32 codes `(..., block)`."""
-    if fmt.bits == 8:
+    if fmt.element_codes:
         return codes.astype(jnp.float32)
     if fmt.packing == "q5":
         qh, qs = codes[..., :4], codes[..., 4:]
@@ -425,22 +443,22 @@ def double_dequantize(codes: Array, scales: Array, offset: Array) -> Array:
 
 def scales_in_dense_dtype(fmt: Format, scale_dtype: Any, dense_dtype: Any) -> bool:
     """Whether the dense value is `codes * scales` computed in `dense_dtype`, equal bit for
-    bit to the float32 product rounded to it: 8-bit codes (exact in a 16-bit float) times
-    scales stored in that float make at most 8 + 11 significant bits, exact in float32,
-    so both forms round the same exact product once.
+    bit to the float32 product rounded to it: 8-bit or `int4` codes (exact in a 16-bit
+    float) times scales stored in that float make at most 8 + 11 significant bits, exact
+    in float32, so both forms round the same exact product once.
 
     It is the form XLA's GPU compiler fuses into the matrix product that reads the weight
     (with `xla_gpu_experimental_enable_subchannel_dequantisation_fusion`): the product
     then reads the int8 codes and no dense weight is written. A float32 product cast
     afterwards, or any further operation on the codes, is not fused."""
     dense = jnp.dtype(dense_dtype)
-    return (fmt.value is _v_scaled and fmt.decode is None and fmt.bits == 8
+    return (fmt.value is _v_scaled and fmt.decode is None and fmt.element_codes
             and jnp.issubdtype(dense, jnp.floating) and dense.itemsize == 2
             and jnp.dtype(scale_dtype) == dense)
 
 
 def scaled_blocks(codes: Array, scales: Array) -> Array:
-    """`(*other, n_blocks, block)` int8 codes times `(*other, n_blocks)` scales, in the
+    """`(*other, n_blocks, block)` int8 or int4 codes times `(*other, n_blocks)` scales, in the
     scales' dtype (see `scales_in_dense_dtype`) -> `(*other, n_blocks * block)`."""
     v = codes.astype(scales.dtype) * scales[..., None]
     return lax.collapse(v, v.ndim - 2)
@@ -475,7 +493,7 @@ def value_at(fmt: Format, codes: Array, scales: Array, mins: Array | None, pos: 
 
 
 def _code_at(fmt: Format, codes: Array, pos: Array, block_size: int) -> Array:
-    if fmt.bits == 8:
+    if fmt.element_codes:
         return lax.dynamic_index_in_dim(codes, pos, codes.ndim - 1, keepdims=False).astype(jnp.float32)
     if fmt.packing == "halves":
         byte, high = pos % (block_size // 2), pos >= block_size // 2

@@ -71,20 +71,21 @@ def quantize(
     - `params`: the model's parameters (dense arrays).
     - `spec`: a spec tree with `params`' structure (see [`lorax.simple_spec`][]).
     - `qtype`: `"int8"` (symmetric, one scale per output channel), `"int4"`
-      (symmetric, blocks of 32), `"nf4"` (QLoRA's NormalFloat4, absmax per block of
-      64), or GGUF's `"q4_0"`, `"q4_1"`, `"q5_0"`, `"q5_1"`, `"q8_0"` (blocks of 32,
-      as llama.cpp's reference quantizer writes them). GGUF's K-quants (`"q2_k"` ..
+      (symmetric, blocks of 32), `"s4"` (symmetric, blocks of 64, codes in JAX's `int4`
+      dtype), `"nf4"` (QLoRA's NormalFloat4, absmax per block of 64), or GGUF's
+      `"q4_0"`, `"q4_1"`, `"q5_0"`, `"q5_1"`, `"q8_0"` (blocks of 32, as llama.cpp's
+      reference quantizer writes them). GGUF's K-quants (`"q2_k"` ..
       `"q6_k"`) are read from files ([`lorax.load_gguf`][]), not quantized here.
     - `block_size`: values per block (not for the GGUF types, whose blocks are 32).
     - `dtype`: the dtype the weights dequantize to (default: each leaf's own).
     - `double_quant`: NF4 only: also quantize the per-block absmax values (8 bits per
       256 of them), as QLoRA does: 0.127 instead of 0.141 bytes per f32 byte.
     - `scale_dtype`: the dtype the scales are stored in (default float32; GGUF's types
-      keep float16). `"int8"` with `scale_dtype` equal to a bfloat16 or float16 `dtype`
-      dequantizes as one product in that dtype, bit for bit the float32 one, which XLA's
-      GPU compiler can fuse into the matrix product: it then reads the int8 codes and
-      writes no dense weight (`xla_gpu_experimental_enable_subchannel_dequantisation_fusion`;
-      docs/qlora.md). The codes are computed against the scales as stored.
+      keep float16). `"int8"` or `"s4"` with `scale_dtype` equal to a bfloat16 or
+      float16 `dtype` dequantizes as one product in that dtype, bit for bit the float32
+      one, which XLA's GPU compiler can fuse into the matrix product: it then reads the
+      codes and writes no dense weight (docs/qlora.md, "Products that read the codes").
+      The codes are computed against the scales as stored.
     - `axis`: the block axis for every quantized leaf (counted from the end), or a
       function `(key path string, leaf) -> axis or None` (`None`: the default rule).
     - `min_size`: `LORA_FREEZE` leaves with fewer values stay dense (LoRA targets are

@@ -552,7 +552,7 @@ def _one_block_of_bytes(qa: QuantizedArray) -> bool:
     scales): any range of the axis is that range of code bytes under the same scales,
     so a cut through the block stays quantized."""
     fmt = F.get_format(qa.qtype)
-    return (fmt.bits == 8 and fmt.record is None and qa.codes.shape[-2] == 1
+    return (fmt.element_codes and fmt.record is None and qa.codes.shape[-2] == 1
             and qa.scale_scales is None)
 
 
