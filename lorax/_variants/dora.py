@@ -157,15 +157,22 @@ class DoraWeight(LoraWeight):
             f", m={self.m.dtype.name}{list(self.m.shape)})")
 
 
+def _wide(*dtypes: Any) -> Any:
+    # Norms accumulate in float32, or in the operands' own dtype where it is wider
+    # (float64): never below the precision the user's weights carry.
+    return jnp.result_type(jnp.float32, *dtypes)
+
+
 def _direct_norm(v: Array, axes: FactorAxes, side: Side) -> Array:
     """The reference: `||V||` over the input axes of a materialised `V` (keepdims)."""
     axes = axes.m if side == "a" else axes.n
-    v32 = v.astype(jnp.float32)
-    return jnp.sqrt(jnp.sum(v32 * v32, axis=axes, keepdims=True))
+    vw = v.astype(_wide(v.dtype))
+    return jnp.sqrt(jnp.sum(vw * vw, axis=axes, keepdims=True))
 
 
 def weight_norm(lw: LoraWeight, side: Side) -> Array:
-    """`||w + s * b @ a||` per output feature (output on `side`), keepdims, float32.
+    """`||w + s * b @ a||` per output feature (output on `side`), keepdims, in float32
+    (float64 for float64 operands).
 
     No gradient flows through it (DoRA treats it as a constant). A stacked quantized
     `w` is dequantized one batch slice at a time.
@@ -183,14 +190,14 @@ def _norm_impl(w: Any, a: Array, b: Array, *, scale: float, side: Side,
         inner = FactorAxes(tuple(range(nb - 1)), *(tuple(i - 1 for i in g) for g in axes[1:]))
         return lax.map(lambda wab: _norm_impl(*wab, scale=scale, side=side, axes=inner),
                        (w, a, b))
-    f32 = jnp.float32
+    acc = _wide(w.dtype, a.dtype, b.dtype)
     batch = tuple(range(nb))
-    a = a.astype(f32)
-    b = b.astype(f32)
+    a = a.astype(acc)
+    b = b.astype(acc)
     m_axes, n_axes = axes.m, axes.n
     if side == "a":
         # Output features on a's (N) side; sum over M.
-        sq = _sum_squares(w, m_axes)  # (*B, *N)
+        sq = _sum_squares(w, m_axes, acc)  # (*B, *N)
         # b^T w: (*B, k, *N), contracting M.
         # b^T rank-major first when the rank is large: a dot contracting b's leading M
         # axes ran ~1.6x slower on XLA:CPU at k = 64 (d 2048: 5.8 vs 3.7 ms), and XLA
@@ -204,7 +211,7 @@ def _norm_impl(w: Any, a: Array, b: Array, *, scale: float, side: Side,
             bt, bt_m = b, b_m
         # (*B, k, *N) either way: batch, then bt's free (rank) axis, then w's N axes.
         btw = _engine.call(lambda w_: lax.dot_general(
-            bt, w_, ((bt_m, m_axes), (batch, batch)), preferred_element_type=f32), w)
+            bt, w_, ((bt_m, m_axes), (batch, batch)), preferred_element_type=acc), w)
         cross = jnp.sum(a * btw, axis=nb)
         gram = lax.dot_general(b, b, ((b_m, b_m), (batch, batch)))  # (*B, k, k)
         ga = lax.dot_general(gram, a, (((nb + 1,), (nb,)), (batch, batch)))  # (*B, k, *N)
@@ -212,10 +219,10 @@ def _norm_impl(w: Any, a: Array, b: Array, *, scale: float, side: Side,
         n2 = sq + 2.0 * scale * cross + scale * scale * quad
         n2 = n2.reshape(magnitude_shape(w.shape, axes, "a"))
     else:
-        sq = _sum_squares(w, n_axes)  # (*B, *M)
+        sq = _sum_squares(w, n_axes, acc)  # (*B, *M)
         a_n = tuple(range(nb + 1, nb + 1 + nn))
         wat = _engine.call(lambda w_: lax.dot_general(
-            w_, a, ((n_axes, a_n), (batch, batch)), preferred_element_type=f32), w)  # (*B,*M,k)
+            w_, a, ((n_axes, a_n), (batch, batch)), preferred_element_type=acc), w)  # (*B,*M,k)
         cross = jnp.sum(b * wat, axis=-1)
         gram = lax.dot_general(a, a, ((a_n, a_n), (batch, batch)))  # (*B, k, k)
         bg = lax.dot_general(b, gram, (((b.ndim - 1,), (nb,)), (batch, batch)))  # (*B,*M,k)
@@ -226,11 +233,11 @@ def _norm_impl(w: Any, a: Array, b: Array, *, scale: float, side: Side,
     return jnp.sqrt(jnp.maximum(n2, 0.0))
 
 
-def _sum_squares(w: Any, axes: tuple[int, ...]) -> Array:
+def _sum_squares(w: Any, axes: tuple[int, ...], dtype: Any) -> Array:
     if _engine.is_value(w):  # quantized (never stacked here: see `_norm_impl`)
-        w = w.dequantize(jnp.float32)
-    w32 = w.astype(jnp.float32)
-    return jnp.sum(w32 * w32, axis=axes)
+        w = w.dequantize(dtype)
+    ww = w.astype(dtype)
+    return jnp.sum(ww * ww, axis=axes)
 
 
 _RANK_MAJOR_MIN_RANK = 32
