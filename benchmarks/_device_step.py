@@ -201,8 +201,8 @@ def compiled_step(cell: Cell) -> tuple[Any, tuple, dict]:
 
 
 # XLA's fusion of a dequantization into the product reading it (`benchmarks.gpu_compile`'s
-# `dequant`): int8 codes times scales in the weight's dtype, the dot merger off so that a
-# layer's k and v products are not joined over written weights (docs/qlora.md).
+# `dequant`): int8 or int4 codes times scales in the weight's dtype, the dot merger off so
+# that a layer's k and v products are not joined over written weights (docs/qlora.md).
 # int4 codes (`s4`) stay packed along the axis they are stored in: XLA would otherwise
 # lay every stacked weight out again for the backward product, once per step, whole.
 DEQUANT_OPTIONS = {"xla_gpu_experimental_enable_subchannel_dequantisation_fusion": True,

@@ -15,13 +15,14 @@ one a card would run, so this shows on a CPU machine what XLA:CPU cannot:
 - the dequantizations that write a dense weight: fusions outside the matrix products that
   read 8-bit or 4-bit codes and write a 16-bit array of a million values or more (a
   weight). None where XLA fuses the dequantization into the product that reads it
-  (`qlora-int8-bf16` under `dequant`: the product reads the int8 codes).
+  (`qlora-int8-bf16`, `qlora-s4-bf16` under `dequant`: the products read the codes).
 
 The step is `benchmarks.offload`'s (`benchmarks.scale`'s Llama Adam step, donated as
 `benchmarks.accelerator` donates it). A cell is `MODEL:METHOD:FLAGS[:REMAT[:LAYERS]]`:
 FLAGS `default` or XLA flags (compile options) joined by `+`: `pipelined`
-(`xla_gpu_enable_pipelined_host_offloading`), `dequant`
-(`xla_gpu_experimental_enable_subchannel_dequantisation_fusion`), METHOD a `benchmarks.scale` method, `+host` after it for the frozen weights in
+(`xla_gpu_enable_pipelined_host_offloading`), `dequant` (`benchmarks._device_step.
+DEQUANT_OPTIONS`: XLA's dequantization fusion and the two options it needs), METHOD a
+`benchmarks.scale` method, `+host` after it for the frozen weights in
 host memory (`lorax.offload_frozen`) and `+state` for Adam's state (`lorax.offload_state`),
 REMAT `llama.Config.remat` (`layer`, the default), LAYERS `scan` (the default)
 or `unrolled` (`llama.hidden_states`).
@@ -72,9 +73,8 @@ _H200 = dict(core_count=132, memory_bandwidth=4800000000000, clock_rate_ghz=1.98
 TARGETS = {"h100": _H100_SXM, "h200": _H200}
 
 FLAGS = {"default": {}, "pipelined": {"xla_gpu_enable_pipelined_host_offloading": True},
-         # The products read 8-bit codes times scales in the weight's dtype
-         # (`lorax.quantize(..., scale_dtype=)`); the dot merger, which joins products
-         # sharing an operand (a layer's k and v), would write their weights joined.
+         # The products read int8 or int4 codes times scales in the weight's dtype
+         # (`lorax.quantize(..., scale_dtype=)`).
          "dequant": DEQUANT_OPTIONS}
 
 

@@ -469,7 +469,7 @@ def _quantize_leaves(w: Array, qtype: str, block_size: int, axis: int,
     fmt = F.FORMATS[qtype]
     st = jnp.moveaxis(w, axis, -1).astype(jnp.float32)
     blocks = st.reshape(*st.shape[:-1], st.shape[-1] // block_size, block_size)
-    stored = jnp.dtype(scale_dtype or fmt.scale_dtype)
+    stored = jnp.dtype(fmt.scale_dtype if scale_dtype is None else scale_dtype)
     if fmt.native and stored != jnp.dtype(fmt.scale_dtype):
         # The codes are computed against the scales as stored, not as first computed.
         q, d, m = fmt.quantize(blocks, lambda d: d.astype(stored).astype(jnp.float32))

@@ -449,7 +449,7 @@ def scales_in_dense_dtype(fmt: Format, scale_dtype: Any, dense_dtype: Any) -> bo
 
     It is the form XLA's GPU compiler fuses into the matrix product that reads the weight
     (with `xla_gpu_experimental_enable_subchannel_dequantisation_fusion`): the product
-    then reads the int8 codes and no dense weight is written. A float32 product cast
+    then reads the int8 or int4 codes and no dense weight is written. A float32 product cast
     afterwards, or any further operation on the codes, is not fused."""
     dense = jnp.dtype(dense_dtype)
     return (fmt.value is _v_scaled and fmt.decode is None and fmt.element_codes
