@@ -148,7 +148,8 @@ def compile_for(lowered_text: str, target: str, options: dict[str, Any],
 
 # -- reading the compiled program ------------------------------------------------------------
 
-_BUFFER = re.compile(r"([a-z]+[0-9]*)\[([0-9,]*)\]\{[0-9,]*(:S\(5\))?\}")
+# A buffer's type, dimensions and layout; `S(5)`: host memory (`E(4)`: 4-bit elements).
+_BUFFER = re.compile(r"([a-z]+[0-9]*)\[([0-9,]*)\]\{[0-9,]*(:[^}]*)?\}")
 
 
 class Loop(NamedTuple):
@@ -163,14 +164,14 @@ def loops(hlo_text: str) -> list[Loop]:
     one-entry slices of them it carries on the device (moved one iteration ahead)."""
     out = []
     for m in re.finditer(r"%(while\S*) = \((.*?)\) while\(", hlo_text):
-        buffers = [(dtype, tuple(int(d) for d in dims.split(",") if d), bool(host))
-                   for dtype, dims, host in _BUFFER.findall(m.group(2))]
+        buffers = [(dtype, tuple(int(d) for d in dims.split(",") if d), "S(5)" in layout)
+                   for dtype, dims, layout in _BUFFER.findall(m.group(2))]
         stacks = {(dtype, dims[1:]) for dtype, dims, host in buffers if host and len(dims) > 1}
         if not stacks:
             continue
         carried = [(dtype, dims) for dtype, dims, host in buffers
                    if not host and (dtype, dims) in stacks]
-        nbytes = sum(_itemsize(d) * math.prod(s) for d, s in carried)
+        nbytes = sum(math.ceil(_bits(d) * math.prod(s) / 8) for d, s in carried)
         out.append(Loop(m.group(1), len(stacks), len(carried), nbytes))
     return out
 
@@ -198,9 +199,9 @@ def dense_writes(hlo_text: str, min_values: int = 2**20) -> int:
     return count
 
 
-def _itemsize(hlo_dtype: str) -> int:
+def _bits(hlo_dtype: str) -> int:
     bits = re.search(r"[0-9]+$", hlo_dtype)
-    return max(1, int(bits.group()) // 8) if bits else 1
+    return int(bits.group()) if bits else 8  # (`pred`: a byte)
 
 
 # -- the step ---------------------------------------------------------------------------------

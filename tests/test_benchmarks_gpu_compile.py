@@ -35,12 +35,16 @@ _WAITING = (
     "  %while.9 = (s32[], bf16[1,64,256]{2,1,0}, u8[2,256,64,32]{3,2,1,0:S(5)}) "
     "while(%tuple.2), condition=%c2, body=%b2\n")
 _NO_HOST = "  %while.1 = (s32[], bf16[1,64,256]{2,1,0}) while(%tuple.3), condition=%c3, body=%b3\n"
+# 4-bit elements (`E(4)`) beside the memory space: a stack of int4 codes, its slice carried.
+_INT4 = ("  %while.7 = (s32[], s4[2,256,4,64]{3,2,1,0:E(4)S(5)}, s4[256,4,64]{2,1,0:E(4)}) "
+         "while(%tuple.4), condition=%c4, body=%b4\n")
 
 
 def test_loops_counts_the_next_entry_carried_on_the_device():
-    found = G.loops(_PIPELINED + _WAITING + _NO_HOST)
+    found = G.loops(_PIPELINED + _WAITING + _NO_HOST + _INT4)
     assert found == [G.Loop("while.4", 2, 1, 256 * 64 * 32),
-                     G.Loop("while.9", 1, 0, 0)]
+                     G.Loop("while.9", 1, 0, 0),
+                     G.Loop("while.7", 1, 1, 256 * 4 * 64 // 2)]
 
 
 # Compiled fusions as XLA prints them: a weight dequantized from int8 codes, the rows an
