@@ -145,9 +145,9 @@ def offload_state(optimizer: optax.GradientTransformation) -> optax.GradientTran
     no device memory between steps: for Adam on LoRA factors, twice the factors' bytes in
     float32 (1.5 GiB at Llama-3-70B shapes, rank 16 on seven projections). When in the
     step it moves in is XLA's choice, by the card's memory: on a small card late (most
-    of the state spared), with memory to spare early (docs/qlora.md, "Overlap"). The updates, and the values, are `optimizer`'s own. With
-    [`lorax.offload_frozen`][], the device holds only the factors, the activations and
-    the layer being computed.
+    of the state spared), with memory to spare early (docs/qlora.md, "Overlap"). The
+    updates, and the values, are `optimizer`'s own. With [`lorax.offload_frozen`][], the
+    device holds only the factors, the activations and the layer being computed.
 
     **Arguments:**
 

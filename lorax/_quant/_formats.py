@@ -452,7 +452,7 @@ def scales_in_dense_dtype(fmt: Format, scale_dtype: Any, dense_dtype: Any) -> bo
     then reads the int8 or int4 codes and no dense weight is written. A float32 product cast
     afterwards, or any further operation on the codes, is not fused."""
     dense = jnp.dtype(dense_dtype)
-    return (fmt.value is _v_scaled and fmt.decode is None and fmt.element_codes
+    return (fmt.value is _v_scaled and fmt.element_codes
             and jnp.issubdtype(dense, jnp.floating) and dense.itemsize == 2
             and jnp.dtype(scale_dtype) == dense)
 
