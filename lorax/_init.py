@@ -12,8 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from . import _engine
-from ._spec import (LORA_FREEZE, LORA_FULL, LoraSpec, as_lora_spec, check_spec_structure,
-                    path_str, spec_axes)
+from ._spec import LoraSpec, as_lora_spec, check_spec_structure, path_str, spec_axes
 from ._sharding import place_factors
 from ._variants import init as _variant_init
 from ._variants.dora import DoraWeight
@@ -33,20 +32,8 @@ def _draw_factors(rng: jax.Array, shapes: tuple, dtype: Any, stddev: Any) -> lis
 
 
 def _check(where: str, spec_val: Any, param: Any) -> LoraSpec | None:
-    if isinstance(spec_val, bool) or not (
-        isinstance(spec_val, LoraSpec) or isinstance(spec_val, (int, jnp.integer))
-    ):
-        raise ValueError(
-            f"init_lora: spec value at {where!r} must be an int rank > 0, a LoraSpec, "
-            f"LORA_FULL (-1) or LORA_FREEZE (0); got {spec_val!r}."
-        )
-    ls = as_lora_spec(spec_val)
+    ls = as_lora_spec(spec_val)  # a spec value: `check_spec_structure` checked each
     if ls is None:
-        if spec_val not in (LORA_FREEZE, LORA_FULL):
-            raise ValueError(
-                f"init_lora: spec value at {where!r} is {spec_val!r}; ranks must be > 0 "
-                "(LORA_FULL = -1 and LORA_FREEZE = 0 are the only other values)."
-            )
         return None
     shape = tuple(getattr(param, "shape", ()))
     dtype = getattr(param, "dtype", None)
@@ -181,6 +168,9 @@ def init_lora(
         ```
     """
     check_spec_structure(spec, param_tree, "init_lora", is_leaf)
+    if not jnp.issubdtype(jnp.dtype(dtype), jnp.floating):
+        raise ValueError(f"init_lora: dtype is the factors' and must be a floating-point "
+                         f"dtype; got {jnp.dtype(dtype)}.")
     # A quantized weight is one leaf (it becomes a LoraWeight's `w`).
     leaves, treedef = jax.tree_util.tree_flatten_with_path(
         param_tree, is_leaf=lambda x: _engine.is_value(x) or (is_leaf is not None and is_leaf(x)))

@@ -121,7 +121,7 @@ def split_lora_params(params: Any, spec: Any) -> Any:
         ```
     """
 
-    return partition(params, spec)[0]
+    return _partition(params, spec, "split_lora_params")[0]
 
 
 def partition(lora_params: Any, spec: Any) -> tuple[Any, Any]:
@@ -169,7 +169,11 @@ def partition(lora_params: Any, spec: Any) -> tuple[Any, Any]:
         trainable, state = step(trainable, frozen, state, jnp.ones((2, 8)))
         ```
     """
-    check_spec_structure(spec, lora_params, "partition")
+    return _partition(lora_params, spec, "partition")
+
+
+def _partition(lora_params: Any, spec: Any, where: str) -> tuple[Any, Any]:
+    check_spec_structure(spec, lora_params, where)
 
     def split(spec_val: Any, param: Any) -> tuple[Any, Any]:
         if _is_lora(param):

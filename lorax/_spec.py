@@ -207,8 +207,33 @@ def simple_spec(
         leaf_spec, params, is_leaf=lambda x: is_value(x) or (is_leaf is not None and is_leaf(x)))
 
 
+def _is_spec_value(value: Any) -> bool:
+    if isinstance(value, LoraSpec):
+        return True
+    return (isinstance(value, (int, jnp.integer)) and not isinstance(value, bool)
+            and value >= LORA_FULL)
+
+
+def check_spec_values(spec: Any, where: str) -> None:
+    """Raise a `ValueError` naming the first key path whose spec value is not one.
+
+    Every consumer reads a spec value as "LoRA", "full" or "frozen"; anything else
+    (a qtype string passed where the spec goes, a float, `True`) would otherwise
+    quietly read as one of them: trained by `wrap_optimizer`, left dense by `quantize`.
+    """
+    for path, value in jax.tree_util.tree_flatten_with_path(spec)[0]:
+        if not _is_spec_value(value):
+            hint = (" (lorax.quantize takes the spec second and the qtype third)"
+                    if isinstance(value, str) else "")
+            raise ValueError(
+                f"{where}: spec value at {path_str(path)!r} must be an int rank > 0, a "
+                f"LoraSpec, LORA_FULL (-1) or LORA_FREEZE (0); got {value!r}{hint}."
+            )
+
+
 def check_spec_structure(spec: Any, params: Any, where: str, is_leaf: Any = None) -> None:
-    """Raise a `ValueError` naming the first key path where `spec` and `params` differ."""
+    """Raise a `ValueError` naming the first key path where `spec` and `params` differ,
+    or whose spec value is not one (`check_spec_values`)."""
     spec_paths = {
         path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(spec)[0]
     }
@@ -232,6 +257,7 @@ def check_spec_structure(spec: Any, params: Any, where: str, is_leaf: Any = None
             f"{where}: the spec's tree does not match the parameters': " + "; ".join(detail)
             + ". Build the spec from the same params (e.g. with lorax.simple_spec)."
         )
+    check_spec_values(spec, where)
 
 
 @dataclasses.dataclass(frozen=True)

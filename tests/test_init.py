@@ -38,7 +38,7 @@ def test_explicit_factorisations():
 
 @pytest.mark.parametrize(
     "spec_val, match",
-    [(-2, "ranks must be > 0"), (lorax.LoraSpec(0), "integer >= 1"),
+    [(-2, "int rank > 0"), (lorax.LoraSpec(0), "integer >= 1"),
      (lorax.LoraSpec(2.5), "integer >= 1"), (lorax.LoraSpec(True), "integer >= 1"),
      (lorax.LoraSpec(2, m_ndim=2), "each side"), (2.0, "int rank")],
 )
@@ -60,3 +60,8 @@ def test_frozen_and_full_leaves_are_the_same_objects():
     params = {"a": jnp.ones((4, 4)), "b": jnp.ones(4)}
     lp = lorax.init_lora(params, {"a": 0, "b": -1}, jax.random.PRNGKey(0))
     assert lp["a"] is params["a"] and lp["b"] is params["b"]
+
+
+def test_an_integer_factor_dtype_is_an_error():
+    with pytest.raises(ValueError, match="init_lora: dtype is the factors'.*int8"):
+        lorax.init_lora({"w": jnp.ones((8, 4))}, {"w": 2}, jax.random.PRNGKey(0), dtype=jnp.int8)

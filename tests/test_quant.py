@@ -473,6 +473,19 @@ def test_bad_input_names_the_key_path():
     odd = {"w": jnp.ones((48, 128))}
     with pytest.raises(ValueError, match=r"'w'.*\(48, 128\).*q8_0 block size 32"):
         lorax.quantize(odd, {"w": 4}, "q8_0")
+    # Options are checked before any leaf: frozen leaves that fail a leaf's check stay
+    # dense, and a bad option must not leave them all dense.
+    frozen = {"w": lorax.LORA_FREEZE}
+    for bs in (0, -64, 2.0, True):
+        with pytest.raises(ValueError, match=rf"block_size must be a positive int.*{bs!r}"):
+            lorax.quantize(odd, frozen, "int8", block_size=bs)
+        with pytest.raises(ValueError, match="block_size must be a positive int"):
+            lorax.QuantizedArray.from_dense(odd["w"], "int8", block_size=bs)
+    for dt in (jnp.int32, jnp.uint8):
+        with pytest.raises(ValueError, match=r"dtype is what the weights dequantize to.*int"):
+            lorax.quantize(odd, frozen, "int8", dtype=dt)
+        with pytest.raises(ValueError, match=r"dtype is what the weights dequantize to"):
+            lorax.QuantizedArray.from_dense(odd["w"], "nf4", dtype=dt)
     # A frozen leaf that does not split into blocks (a stacked norm scale) stays dense.
     assert lorax.quantize(odd, {"w": lorax.LORA_FREEZE}, "q8_0")["w"] is odd["w"]
     # Frozen leaves below min_size stay dense (biases, small tables).

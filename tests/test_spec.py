@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import optax
 import pytest
 
 import lorax
@@ -78,6 +79,43 @@ def test_spec_tree_mismatch_names_the_path():
     spec["extra"] = 3
     with pytest.raises(ValueError, match="extra"):
         lorax.init_lora(params, spec, jax.random.PRNGKey(0))
+
+
+_CONSUMERS = {
+    "quantize": lambda p, s: lorax.quantize(p, s, "nf4", min_size=1),
+    "init_lora": lambda p, s: lorax.init_lora(p, s, jax.random.PRNGKey(0)),
+    "wrap_optimizer": lambda p, s: lorax.wrap_optimizer(optax.adam(1e-3), s).init(p),
+    "partition": lorax.partition,
+    "split_lora_params": lorax.split_lora_params,
+    "summary": lorax.summary,
+}
+
+
+@pytest.mark.parametrize("consumer", sorted(_CONSUMERS))
+@pytest.mark.parametrize("bad", ["nf4", 1.5, True, -2])
+def test_a_value_that_is_no_spec_value_names_its_path(consumer, bad):
+    # Each consumer would otherwise read it as "LoRA", "full" or "frozen": wrap_optimizer
+    # trained a leaf marked "nf4", quantize left it dense.
+    params = {"attn": {"q": jnp.ones((64, 64)), "k": jnp.ones((64, 64))}}
+    spec = {"attn": {"q": 4, "k": bad}}
+    with pytest.raises(ValueError, match=rf"{consumer}: spec value at 'attn/k' must be"):
+        _CONSUMERS[consumer](params, spec)
+
+
+def test_a_qtype_where_the_spec_goes_says_so():
+    w = jnp.ones((64, 64))
+    with pytest.raises(ValueError, match=r"'<root>'.*got 'nf4' \(lorax.quantize takes the spec"):
+        lorax.quantize(w, "nf4")
+
+
+def test_numpy_integer_ranks_are_spec_values():
+    import numpy as np
+
+    params = {"q": jnp.ones((16, 16)), "n": jnp.ones(16)}
+    spec = {"q": np.int64(4), "n": np.int8(lorax.LORA_FULL)}
+    lp = lorax.init_lora(params, spec, jax.random.PRNGKey(0))
+    assert lp["q"].a.shape == (4, 16)
+    assert lorax.summary(params, spec).n_full == 1
 
 
 def test_tune_vectors_counts_axes_longer_than_one():

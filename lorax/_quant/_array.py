@@ -316,6 +316,7 @@ class QuantizedArray(_engine.ArrayValue, metaclass=_engine.FastPytreeMeta):
         """
         fmt = F.get_format(qtype)
         shape = tuple(jnp.shape(w))
+        check_options(block_size, dtype, "w")
         dtype = jnp.dtype(dtype or jnp.result_type(w))
         check_quantizable(fmt, shape, jnp.result_type(w), axis, block_size, double_quant, "w",
                           scale_dtype)
@@ -448,6 +449,18 @@ def check_quantizable(fmt: F.Format, shape: tuple[int, ...], dtype: Any, axis: i
         raise ValueError(f"quantize: double_quant is NF4's; got qtype {fmt.name!r}.")
     if scale_dtype is not None:
         check_scale_dtype(fmt, scale_dtype, double_quant, where)
+
+
+def check_options(block_size: Any, dtype: Any, where: str) -> None:
+    """`block_size` and the dense `dtype`, checked before any leaf is looked at (where a
+    leaf that cannot be quantized may stay dense, a bad option must not make them all)."""
+    if block_size is not None and (isinstance(block_size, bool) or not isinstance(
+            block_size, (int, np.integer)) or block_size < 1):
+        raise ValueError(f"quantize: block_size must be a positive int (or None for the "
+                         f"format's own); got {block_size!r} (for {where}).")
+    if dtype is not None and not jnp.issubdtype(jnp.dtype(dtype), jnp.floating):
+        raise ValueError(f"quantize: dtype is what the weights dequantize to and must be a "
+                         f"floating-point dtype; got {jnp.dtype(dtype)} (for {where}).")
 
 
 def check_scale_dtype(fmt: F.Format, scale_dtype: Any, double_quant: bool, where: str) -> None:

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 
 from .._spec import LORA_FREEZE, as_lora_spec, check_spec_structure, path_str, spec_axes
 from . import _formats as F
-from ._array import QuantizedArray, check_quantizable, check_scale_dtype
+from ._array import QuantizedArray, check_options, check_quantizable, check_scale_dtype
 
 
 def _block_axis(spec_val: Any, ndim: int) -> int | None:
@@ -120,6 +120,7 @@ def quantize(
     fmt = F.get_format(qtype)
     if fmt.quantize is None:  # otherwise every frozen leaf would quietly stay dense
         check_quantizable(fmt, (1, 1), jnp.float32, -2, None, False, "every weight")
+    check_options(block_size, dtype, "every weight")
     if scale_dtype is not None:  # else frozen leaves would quietly stay dense
         check_scale_dtype(fmt, scale_dtype, double_quant, "every weight")
     check_spec_structure(spec, params, "quantize", is_leaf)

@@ -182,7 +182,7 @@ def test_error_dora_magnitude_shape(tmp_path):
 def test_dora_onto_a_quantized_base(tmp_path):
     """The missing-layer norm and the loaded weight use the quantized base as it is."""
     w = jax.random.normal(jax.random.PRNGKey(0), (2, 64, 32))
-    qw = lorax.quantize(w, "int8")
+    qw = lorax.QuantizedArray.from_dense(w, "int8")
     spec = {"q": lorax.LoraSpec(2, batch_ndim=1, dora=True)}
     lp = _nudged_dora(lorax.init_lora({"q": qw}, spec, jax.random.PRNGKey(1)))
     names = {"q": "layers.{layer}.q"}
