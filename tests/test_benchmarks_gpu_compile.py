@@ -156,12 +156,12 @@ def test_memory_gib_is_the_memory_xla_plans_for():
     assert row["memory_gib"] == 24 and row["prefetching_loops"] == 2
 
 
-def _dequantizations(scale_dtype, flags: str, qtype: str = "int8") -> int:
+def _dequantizations(scale_dtype, flags: str, qtype: str = "int8", block_size: int = 64) -> int:
     """Weights written by dequantizations in the compiled QLoRA step of one projection
-    (codes in blocks of 64; values and the factors' and input's gradients)."""
+    (values and the factors' and input's gradients)."""
     w = jax.ShapeDtypeStruct((1024, 1024), jnp.bfloat16)
     params = jax.eval_shape(lambda w: lorax.init_lora(lorax.quantize(
-        {"w": w}, {"w": 8}, qtype, block_size=64, scale_dtype=scale_dtype), {"w": 8},
+        {"w": w}, {"w": 8}, qtype, block_size=block_size, scale_dtype=scale_dtype), {"w": 8},
         jax.random.PRNGKey(0)), w)
     trainable, frozen = lorax.partition(params, {"w": 8})
 
@@ -177,16 +177,16 @@ def _dequantizations(scale_dtype, flags: str, qtype: str = "int8") -> int:
 
 
 @needs_plugin
-@pytest.mark.parametrize("qtype", ["int8", "s4"])
-def test_codes_with_scales_in_the_weight_dtype_are_read_by_the_products_themselves(qtype):
+@pytest.mark.parametrize("qtype,block_size", [("int8", 64), ("s4", 64), ("s4", 32)])
+def test_codes_with_scales_in_the_weight_dtype_are_read_by_the_products_themselves(qtype, block_size):
     # The forward product and the input's gradient each read the codes: no weight written.
     # (jaxlib 0.10's XLA fuses the input gradient's product only.)
     newer = tuple(int(v) for v in jax.__version__.split(".")[:2]) >= (0, 11)
-    assert _dequantizations(jnp.bfloat16, "dequant", qtype) == (0 if newer else 1)
+    assert _dequantizations(jnp.bfloat16, "dequant", qtype, block_size) == (0 if newer else 1)
     # Controls: float32 scales (a float32 product, cast), or no flag: both products'
     # weights are written first.
-    assert _dequantizations(None, "dequant", qtype) == 2
-    assert _dequantizations(jnp.bfloat16, "default", qtype) == 2
+    assert _dequantizations(None, "dequant", qtype, block_size) == 2
+    assert _dequantizations(jnp.bfloat16, "default", qtype, block_size) == 2
 
 
 @needs_plugin

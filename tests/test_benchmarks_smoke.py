@@ -414,3 +414,18 @@ def test_scale_quick_tensor_parallel(tmp_path):
     assert 0 < nf4["all-gather_gib"] < dense["all-gather_gib"]
     assert nf4["args_gib"] < dense["args_gib"]
     assert "FSDP 2 x TP 4" in (tmp_path / "scale_tp.md").read_text()
+
+
+def test_quant_error_quick(tmp_path):
+    """Round-trip errors per format: s4 with its extreme at code -8 beats its first
+    quantizer (absmax / 7) on both weight distributions, and bf16 scales cost it nothing."""
+    from benchmarks import quant_error
+
+    rows = {r["format"]: r for r in quant_error.main(["--quick", "--out", str(tmp_path)])}
+    assert {"quant_error.csv", "quant_error.md", "quant_error.png"} <= {p.name for p in tmp_path.iterdir()}
+    for dist in ("normal", "student_t4"):
+        err = {k: r[f"rel_rms_error_{dist}"] for k, r in rows.items()}
+        assert err["dense"] == 0 and 0 < err["int8"] < 0.05 < err["s4"]
+        assert err["s4"] < 0.95 * err["s4, absmax / 7 (before)"]
+        assert err["s4, bf16 scales"] == pytest.approx(err["s4"], rel=1e-2)
+    assert rows["s4, bf16 scales"]["bytes_per_value"] < rows["s4"]["bytes_per_value"]

@@ -41,10 +41,10 @@ def test_round_trip_error_is_within_half_a_step_per_block(qtype):
     blocks = np.moveaxis(np.asarray(w), -2, -1).reshape(96, -1, q.block_size)
     span = blocks.max(-1) - blocks.min(-1)
     amax = np.abs(blocks).max(-1)
-    # Largest rounding step per block: absmax/127 (8-bit), absmax/7 (int4), (max-min)/15
-    # (q4_1), NF4's widest gap (0.3039) times absmax. Q4_0 maps the extreme to -8 and so
-    # clips the other sign at 7/8 of it: up to a whole step (absmax/8) there.
-    step = {"int8": amax / 127, "q8_0": amax / 127, "int4": amax / 7, "s4": amax / 7,
+    # Largest rounding step per block: absmax/127 (8-bit), (max-min)/15 (q4_1), NF4's
+    # widest gap (0.3039) times absmax. Q4_0, int4 and s4 map the extreme to -8 and so
+    # clip the other sign at 7/8 of it: up to a whole step (absmax/8) there.
+    step = {"int8": amax / 127, "q8_0": amax / 127, "int4": amax / 4, "s4": amax / 4,
             "q4_0": amax / 4,
             "q4_1": span / 15, "nf4": amax * 0.3039}[qtype]
     # GGUF stores scales (and mins) in float16: their rounding (2^-11 relative) adds up
@@ -61,16 +61,14 @@ def test_values_on_the_grid_round_trip_exactly(qtype):
     bs = fmt.block_size or 64
     rng = np.random.default_rng(0)
     levels = {"int8": np.arange(-127, 128), "q8_0": np.arange(-127, 128),
-              "int4": np.arange(-7, 8), "s4": np.arange(-7, 8), "q4_0": np.arange(-8, 8),
+              "int4": np.arange(-8, 8), "s4": np.arange(-8, 8), "q4_0": np.arange(-8, 8),
               "q4_1": np.arange(0, 16),
               "nf4": F.NF4_CODE}[qtype]
     codes = rng.choice(levels, size=(bs, 16)).astype(np.float32)
     # Pin each column's extreme so the block's scale is exactly the grid's step.
     if qtype in ("int8", "q8_0"):
         codes[0] = 127
-    elif qtype in ("int4", "s4"):
-        codes[0] = 7
-    elif qtype == "q4_0":
+    elif qtype in ("int4", "s4", "q4_0"):
         codes[0] = -8
     elif qtype == "q4_1":
         codes[0], codes[1] = 0, 15

@@ -168,15 +168,27 @@ def _q_int8(blocks: Array, stored: Callable[[Array], Array] = _stored) -> tuple[
     return q.astype(jnp.int8), d, None
 
 
+def _signed_extreme(blocks: Array) -> Array:
+    """Each block's value of largest magnitude, with its sign."""
+    i = jnp.argmax(jnp.abs(blocks), axis=-1)[..., None]
+    return jnp.take_along_axis(blocks, i, axis=-1)[..., 0]
+
+
+def _symmetric4(blocks: Array, stored: Callable[[Array], Array]) -> tuple[Array, Array]:
+    # The extreme goes to -8 (the scale takes its sign), as ggml's Q4_0 does, so all 16
+    # codes are used: absmax / 7 leaves -8 empty and costs ~13% more RMS error on
+    # normal weights (rounding steps of absmax / 7 instead of / 8).
+    d = stored(_signed_extreme(blocks) / -8.0)
+    return jnp.clip(jnp.round(blocks * _safe_inverse(d)[..., None]), -8, 7), d
+
+
 def _q_int4(blocks: Array, stored: Callable[[Array], Array] = _stored) -> tuple[Array, Array, None]:
-    d = stored(_absmax(blocks) / 7.0)
-    q = jnp.clip(jnp.round(blocks * _safe_inverse(d)[..., None]), -8, 7) + 8
-    return q.astype(jnp.uint8), d, None
+    q, d = _symmetric4(blocks, stored)
+    return (q + 8).astype(jnp.uint8), d, None
 
 
 def _q_s4(blocks: Array, stored: Callable[[Array], Array] = _stored) -> tuple[Array, Array, None]:
-    d = stored(_absmax(blocks) / 7.0)
-    q = jnp.clip(jnp.round(blocks * _safe_inverse(d)[..., None]), -8, 7)
+    q, d = _symmetric4(blocks, stored)
     return q.astype(jnp.int8), d, None
 
 
@@ -190,9 +202,7 @@ def _q_nf4(blocks: Array, stored: Callable[[Array], Array] = _stored) -> tuple[A
 
 
 def _q_q4_0(blocks: Array) -> tuple[Array, Array, None]:
-    # ggml: d = (the value of largest magnitude, with its sign) / -8.
-    i = jnp.argmax(jnp.abs(blocks), axis=-1)[..., None]
-    d = jnp.take_along_axis(blocks, i, axis=-1)[..., 0] / -8.0
+    d = _signed_extreme(blocks) / -8.0  # ggml's choice
     q = jnp.clip(jnp.trunc(blocks * _safe_inverse(d)[..., None] + 8.5), 0, 15)
     return q.astype(jnp.uint8), d, None
 
@@ -211,9 +221,7 @@ def _q_q8_0(blocks: Array) -> tuple[Array, Array, None]:
 
 
 def _q_q5_0(blocks: Array) -> tuple[Array, Array, None]:
-    # As Q4_0, on 32 levels: d = (the value of largest magnitude, with its sign) / -16.
-    i = jnp.argmax(jnp.abs(blocks), axis=-1)[..., None]
-    d = jnp.take_along_axis(blocks, i, axis=-1)[..., 0] / -16.0
+    d = _signed_extreme(blocks) / -16.0  # as Q4_0, on 32 levels
     q = jnp.clip(jnp.trunc(blocks * _safe_inverse(d)[..., None] + 16.5), 0, 31)
     return q.astype(jnp.uint8), d, None
 
