@@ -15,7 +15,8 @@ random codes and small positive scales: nothing dense is made first). A cell is
   `qlora-q4_k` (GGUF's blocks), `hand` (LoRA written by hand into the same model code),
   `full` (every weight trained, bf16 Adam moments); `+host` after a `lora`/`qlora`
   method (`qlora-nf4+host`): its frozen weights in host memory (`lorax.offload_frozen`,
-  made there, never whole on the device), each layer's moved in when it is read;
+  made there, never whole on the device), each layer's moved in when it is read, on a
+  GPU with XLA's command buffers off (`--host-xla-flags`, `HOST_XLA_FLAGS`);
 - BATCH: windows of the model's 2048 tokens per step;
 - REMAT: `llama.Config.remat` (`layer`, `dots`, `none`);
 - ATTENTION: `llama.Config.attention` (`auto`: cuDNN's fused attention on a GPU);
@@ -54,6 +55,7 @@ import os
 import statistics
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -91,19 +93,20 @@ DEFAULT_CELLS = (
     "peft:llama-3-8b:4:eager:off",
 )
 # What the open questions still need from a card, most wanted first (`--cells pending`):
-# unrolled layers against the scanned recipe and hand-written LoRA; QLoRA whose products
-# read the codes (`-bf16`: int4, int8) against dense LoRA and nf4; PyTorch's fastest
-# configuration (its first step compiles for ~2 minutes); then remat `offload` (kept inputs
-# in host memory) beside remat `layer`; each ratio's two sides in the same run. Host offload
-# at 8B and 70B was measured (docs/qlora.md); `scripts/card` reruns it under an XLA flag.
+# PyTorch's fastest configuration beside lorax's fastest (its first step compiles for ~2
+# minutes); unrolled layers against the scanned recipe and hand-written LoRA; remat
+# `offload` (kept inputs in host memory) beside remat `layer`; each ratio's two sides in
+# the same run. Host offload and the QLoRA formats against LoRA were measured on an H200
+# (docs/qlora.md, docs/gpu.md).
 PENDING_CELLS = (
+    # lorax's fastest 8B recipe against PyTorch + PEFT's fastest, in one run (1x and 4x2048)
+    "peft:llama-3-8b:1:compiled:off", "llama-3-8b:lora:1:dots:auto",
+    "peft:llama-3-8b:4:compiled:off", "llama-3-8b:lora:4:none:auto",
     "llama-3-8b:lora:1:none:auto:unrolled", "llama-3-8b:lora:1:none:auto",
-    "llama-3-8b:hand:1:none:auto:unrolled", "llama-3-8b:lora:1:layer:auto",
-    "llama-3-8b:qlora-s4-bf16:1:layer:auto", "llama-3-8b:qlora-nf4:1:layer:auto",
-    "peft:llama-3-8b:1:compiled:off", "llama-3-8b:qlora-int8-bf16:1:layer:auto",
-    "llama-3-8b:lora:1:dots:auto:unrolled", "llama-3-8b:qlora-nf4:1:none:auto:unrolled",
-    "llama-3-8b:qlora-nf4:1:none:auto", "llama-3-8b:lora:1:layer:auto:unrolled",
+    "llama-3-8b:hand:1:none:auto:unrolled", "llama-3-8b:lora:1:dots:auto:unrolled",
+    "llama-3-8b:qlora-nf4:1:none:auto:unrolled", "llama-3-8b:qlora-nf4:1:none:auto",
     "llama-3-8b:qlora-nf4+host:1:offload:auto", "llama-3-8b:qlora-nf4+host:1:layer:auto",
+    "llama-3-8b:qlora-nf4:1:layer:auto",
 )
 # Each method family, remat choice and attention path at least once (CI's smoke run).
 QUICK_CELLS = ("tiny:lora:1:layer:auto", "tiny:qlora-nf4:1:none:auto", "tiny:hand:1:dots:auto",
@@ -223,17 +226,30 @@ def host_caps(text: str) -> dict[str, float]:
     return caps
 
 
-def cap_env(text: str, caps: dict[str, float], ceiling: dict[str, Any]) -> dict[str, str]:
-    """For a `+host` cell whose model has a cap: the allocator's share of the card that
-    holds it to that many GiB (what a smaller card would have), as the variable JAX reads.
-    Nothing where the card's size is unknown (the CPU)."""
+# What a `+host` cell is compiled with on a GPU (`--host-xla-flags`): with XLA's command
+# buffers (CUDA graphs) on, each layer's moved codes and its computation took turns, with
+# them off the copies run beside the layers' work (on an H200, Llama-3-70B: 1.905 s a step
+# against 2.723 s; docs/qlora.md, "Overlap").
+HOST_XLA_FLAGS = "--xla_gpu_enable_command_buffer= --xla_gpu_enable_pipelined_host_offloading=true"
+
+
+def cap_env(text: str, caps: dict[str, float], ceiling: dict[str, Any],
+            host_flags: str = "") -> dict[str, str]:
+    """For a `+host` cell: whose model has a cap, the allocator's share of the card that
+    holds it to that many GiB (what a smaller card would have), as the variable JAX reads;
+    on a GPU, `host_flags` after the run's own `XLA_FLAGS`. Nothing where the card is
+    unknown (the CPU)."""
     model, method = (text.split(":") + [""])[:2]
     total = ceiling.get("device_memory_gib")
-    if not (method.endswith("+host") and model in caps and total):
+    if not (method.endswith("+host") and total):
         return {}
-    name = "XLA_CLIENT_MEM_FRACTION" if "XLA_CLIENT_MEM_FRACTION" in os.environ else (
-        "XLA_PYTHON_CLIENT_MEM_FRACTION")
-    return {name: f"{min(caps[model] / total, 1.0):.4f}"}
+    env = {"XLA_FLAGS": " ".join(filter(None, (os.environ.get("XLA_FLAGS", ""), host_flags)))
+           } if host_flags and ceiling.get("platform") == "gpu" else {}
+    if model in caps:
+        name = "XLA_CLIENT_MEM_FRACTION" if "XLA_CLIENT_MEM_FRACTION" in os.environ else (
+            "XLA_PYTHON_CLIENT_MEM_FRACTION")
+        env[name] = f"{min(caps[model] / total, 1.0):.4f}"
+    return env
 
 
 def ceiling_tflops(timeout: float = 120) -> dict[str, Any]:
@@ -300,10 +316,11 @@ def with_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def markdown(rows: list[dict[str, Any]]) -> list[str]:
     f = lambda r, k, fmt: format(r[k], fmt) if isinstance(r.get(k), (int, float)) else ""  # noqa: E731
+    flags = run_flags(rows)
     table = C.md_table(
         ["model", "batch", "method", "remat", "attention", "s/step", "tokens/s", "MFU",
          "vs fastest PEFT", "vs dense / hand", "peak GiB", "XLA GiB", "compile s"],
-        [[r["model"], f"{r['batch']}x{r.get('seq', '')}", _method(r), r.get("remat", ""),
+        [[r["model"], f"{r['batch']}x{r.get('seq', '')}", _method(r, flags), r.get("remat", ""),
           _attention(r), f(r, "step_s", ".3f"), f(r, "tokens_per_s", ",.0f"),
           f(r, "mfu_datasheet", ".1%") or f(r, "mfu", ".1%"), f(r, "vs_peft", ".2f"),
           f(r, "vs_lora", ".3f") or f(r, "vs_hand", ".3f") or f(r, "vs_device", ".3f"),
@@ -324,9 +341,30 @@ def markdown(rows: list[dict[str, Any]]) -> list[str]:
             "attention and layers (*unrolled*: per-layer weights, no `lax.scan`)."]
 
 
-def _method(r: dict[str, Any]) -> str:
+def _method(r: dict[str, Any], flags: str = "") -> str:
+    """The method's label; `flags`: the run's XLA flags, named where a row's differ."""
     cap = f" (card held to {r['mem_cap_gib']:g} GiB)" if r.get("mem_cap_gib") else ""
-    return (f"{r['method']}, unrolled" if r.get("layers") == "unrolled" else str(r["method"])) + cap
+    own = str(r.get("xla_flags") or "")
+    note = "" if set(own.split()) == set(flags.split()) or str(r["method"]).startswith(
+        "peft") else f", XLA flags: {_flag_words(own)}"
+    return (f"{r['method']}, unrolled" if r.get("layers") == "unrolled" else str(r["method"])) + (
+        cap + note)
+
+
+_FLAG_WORDS = {"--xla_gpu_enable_command_buffer=": "command buffers off",
+               "--xla_gpu_enable_pipelined_host_offloading=true": "pipelined host offloading"}
+
+
+def _flag_words(flags: str) -> str:
+    return " + ".join(_FLAG_WORDS.get(f, f"`{f}`") for f in sorted(flags.split())) or "none"
+
+
+def run_flags(rows: list[dict[str, Any]]) -> str:
+    """The XLA flags every one of `rows` ran with; '' where they differ (a `+host` cell
+    adds its own), so each row names its own."""
+    flags = {" ".join(sorted(str(r.get("xla_flags") or "").split())) for r in rows
+             if not r.get("error") and not str(r.get("method", "")).startswith("peft")}
+    return flags.pop() if len(flags) == 1 else ""
 
 
 def _attention(r: dict[str, Any]) -> str:
@@ -339,7 +377,8 @@ def write_tables(out: Path, run: str = "") -> None:
     """`accelerator.md` and `.png` from `accelerator.csv` (what `--plot-only` redraws)."""
     rows = C.read_csv(out / "accelerator.csv")
     facts = {k: next((r[k] for r in rows if r.get(k) not in (None, "")), "")
-             for k in ("device", "platform", "jax", "torch", "peft", "transformers", "xla_flags")}
+             for k in ("device", "platform", "jax", "torch", "peft", "transformers")}
+    facts["xla_flags"] = run_flags(rows)
     facts["run"] = run or "cells in processes of their own"
     lines = "\n".join(f"- **{k}**: {v}" for k, v in facts.items() if v)
     (out / "accelerator.md").write_text("\n".join(
@@ -359,11 +398,11 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
         return
     model = max({r["model"] for r in rows}, key=lambda m: sum(r["model"] == m for r in rows))
     rows = sorted((r for r in rows if r["model"] == model), key=lambda r: (r["batch"], r["tokens_per_s"]))
-    fig, axes = C.small_multiples(1, 1, panel_height=0.32 * len(rows) + 0.8)
-    ax = axes[0][0]
-    label = lambda r: (f"{_method(r)} {r['batch']}x{r['seq']}" + (  # noqa: E731
+    fig, axes = C.small_multiples(1, 1, panel_height=0.45 * len(rows) + 0.8)
+    ax, flags = axes[0][0], run_flags(rows)
+    label = lambda r: textwrap.fill(f"{_method(r, flags)} {r['batch']}x{r['seq']}" + (  # noqa: E731
         f", remat {r['remat']}, {r.get('attention_used') or r['attention']}"
-        if not str(r["method"]).startswith("peft") else ""))
+        if not str(r["method"]).startswith("peft") else ""), 60)
     family = lambda r: next(k for k in COLORS if str(r["method"]).startswith(k))  # noqa: E731
     ax.barh(range(len(rows)), [r["tokens_per_s"] for r in rows],
             color=[COLORS[family(r)] for r in rows])
@@ -407,9 +446,9 @@ def run_cells(cells: list[str], args: Any, out: Path, clock: C.Clock) -> list[di
             rows.append({"cell": text, "error": f"not run: {why}"})
             continue
         trace = trace_dir if text in traced and not text.startswith("peft:") else None
-        env = cap_env(text, caps, ceiling)
+        env = cap_env(text, caps, ceiling, args.host_xla_flags)
         row = run_in_process(cell_args(text, steps, trace), min(timeout_for(text), left), env)
-        cap = {"mem_cap_gib": caps[text.split(":")[0]]} if env else {}
+        cap = {"mem_cap_gib": caps[text.split(":")[0]]} if any("FRACTION" in k for k in env) else {}
         rows.append(with_rates({"cell": text, **cap, **row}, ceiling))
         clock.log(f"{text}: " + (f"{row['step_s']:.4f} s/step, {row['tokens_per_s']:,.0f} tok/s, "
                                  f"peak {row.get('peak_gib', 0):.2f} GiB" if "step_s" in row
@@ -430,6 +469,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     p.add_argument("--host-cap", default="",
                    help="MODEL=GIB,...: run that model's `+host` cells with the allocator held "
                         "to GIB of the card (e.g. llama-3-70b=22: a 24 GB card's room)")
+    p.add_argument("--host-xla-flags", default=HOST_XLA_FLAGS,
+                   help="XLA flags added for the `+host` cells on a GPU (default: command "
+                        "buffers off, pipelined host offloading on; '' for none)")
     p.add_argument("--trace", default="", help="cells (or 'all') to profile one step of")
     p.add_argument("--trace-dir", type=Path, default=None, help="where profiles go (default: OUT/traces)")
     args = p.parse_args(argv)

@@ -374,6 +374,40 @@ def test_accelerator_host_cap_holds_only_host_cells_to_a_smaller_card(monkeypatc
     assert label == "qlora-nf4+host (card held to 22 GiB)"
 
 
+def test_accelerator_host_cells_get_the_offload_flags_on_a_gpu_only(monkeypatch):
+    from benchmarks import accelerator as A
+
+    monkeypatch.delenv("XLA_CLIENT_MEM_FRACTION", raising=False)
+    monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/tmp/x")
+    gpu, cpu = {"device_memory_gib": 140.0, "platform": "gpu"}, {"platform": "cpu"}
+    host, device = "llama-3-8b:qlora-nf4+host:1:layer:auto", "llama-3-8b:qlora-nf4:1:layer:auto"
+    env = A.cap_env(host, {}, gpu, A.HOST_XLA_FLAGS)
+    assert env == {"XLA_FLAGS": "--xla_dump_to=/tmp/x " + A.HOST_XLA_FLAGS}  # the run's kept
+    assert "--xla_gpu_enable_command_buffer= " in env["XLA_FLAGS"]
+    assert A.cap_env(device, {}, gpu, A.HOST_XLA_FLAGS) == {}  # its partner: as the run
+    assert A.cap_env(host, {}, cpu, A.HOST_XLA_FLAGS) == {}
+    assert A.cap_env(host, {}, gpu, "") == {}  # --host-xla-flags ''
+    capped = A.cap_env(host, {"llama-3-8b": 4}, gpu, A.HOST_XLA_FLAGS)
+    assert set(capped) == {"XLA_FLAGS", "XLA_PYTHON_CLIENT_MEM_FRACTION"}
+
+
+def test_accelerator_table_names_a_rows_own_xla_flags():
+    from benchmarks import accelerator as A
+
+    rows = [dict(method="qlora-nf4", xla_flags=""), dict(method="lora", xla_flags=""),
+            dict(method="qlora-nf4+host", xla_flags="--a=1"), dict(method="peft", xla_flags="")]
+    assert A.run_flags(rows) == ""
+    assert A.run_flags([dict(method="lora", xla_flags="--b --a"), dict(method="hand", xla_flags="--a --b"),
+                        dict(method="peft", xla_flags="")]) == "--a --b"
+    assert [A._method(r, "") for r in rows] == [
+        "qlora-nf4", "lora", "qlora-nf4+host, XLA flags: `--a=1`", "peft"]
+    assert A._method(rows[0], "--a=1") == "qlora-nf4, XLA flags: none"
+    recipe = dict(method="qlora-nf4+host", xla_flags=" " + A.HOST_XLA_FLAGS)
+    assert A._method(recipe, "") == ("qlora-nf4+host, XLA flags: command buffers off + "
+                                     "pipelined host offloading")
+    assert A._method(recipe, " ".join(reversed(A.HOST_XLA_FLAGS.split()))) == "qlora-nf4+host"
+
+
 def test_accelerator_trace_summary_reads_the_gpu_streams_only():
     """A Perfetto trace as JAX writes it on a GPU: the stream's kernels are counted, the
     per-op lines over them ("XLA Ops") and the host's are not."""
