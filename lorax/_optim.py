@@ -98,9 +98,23 @@ def wrap_optimizer(optimizer: optax.GradientTransformation, spec: Any) -> optax.
         state = opt.init(lp)
         ```
     """
+    check_optimizer("wrap_optimizer", optimizer)
     if isinstance(optimizer, optax.MultiSteps):
         optimizer = optimizer.gradient_transformation()
     return optax.multi_transform(
         {_TRAIN: optimizer, _FREEZE: freeze()},
         lambda params: _labels(spec, params),
     )
+
+
+def check_optimizer(name: str, optimizer: Any) -> None:
+    """Raise a `TypeError` naming `name` unless `optimizer` is an optax transformation
+    (anything with `init` and `update`, as optax's own protocol has it)."""
+    if callable(getattr(optimizer, "init", None)) and callable(getattr(optimizer, "update", None)):
+        return
+    shown = repr(optimizer)
+    shown = shown if len(shown) <= 60 else shown[:57] + "..."
+    hint = (f" (`optax.{optimizer}(learning_rate)` makes one)"
+            if isinstance(optimizer, str) and callable(getattr(optax, optimizer, None)) else "")
+    raise TypeError(f"{name}: optimizer must be an optax.GradientTransformation (with init and "
+                    f"update), e.g. optax.adam(1e-3); got {type(optimizer).__name__} {shown}{hint}")

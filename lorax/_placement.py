@@ -174,6 +174,9 @@ def offload_state(optimizer: optax.GradientTransformation) -> optax.GradientTran
         updates, state = jax.jit(opt.update)({"a": jnp.ones((4, 8))}, state, params)
         ```
     """
+    from ._optim import check_optimizer  # (_optim imports _weight, which imports this module)
+
+    check_optimizer("offload_state", optimizer)
 
     def init(params: Any) -> Any:
         return _placed(optimizer.init(params), jax.memory.Space.Host)

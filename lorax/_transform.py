@@ -81,6 +81,9 @@ def lora(fn: F, *, on_materialize: _engine.MaterializePolicy = "warn") -> F:
         assert y.shape == (3, 4)
         ```
     """
+    if not callable(fn):
+        raise TypeError(f"lora: fn must be a callable (a model's apply function, or any "
+                        f"function of arrays); got {type(fn).__name__} {fn!r:.60}")
     traced = _engine.transform(fn)
     policy_guard = functools.partial(_engine.materialize_policy, on_materialize)
     policy_guard()  # validate the policy now, not at first call

@@ -109,3 +109,20 @@ def test_wrap_optimizer_spec_mismatch_names_path():
     bad = dict(spec, extra=0)
     with pytest.raises(ValueError, match="extra"):
         lorax.wrap_optimizer(optax.adam(1e-3), bad).init(lp)
+
+
+@pytest.mark.parametrize("optimizer,hint", [
+    ("adam", "`optax.adam(learning_rate)` makes one"),  # the name, not the transformation
+    ({"w": 2}, "got dict"),  # the spec and the optimizer swapped
+    (optax.adam, "got function"),  # the factory, not called
+])
+def test_a_non_optimizer_is_named_by_each_consumer(optimizer, hint):
+    for name, make in (("wrap_optimizer", lambda o: lorax.wrap_optimizer(o, {"w": 2})),
+                       ("offload_state", lorax.offload_state)):
+        with pytest.raises(TypeError, match=f"{name}: optimizer must be an optax") as err:
+            make(optimizer)
+        assert hint in str(err.value)
+    # what is accepted: any transformation with init and update, MultiSteps included
+    for ok in (optax.adam(1e-3), optax.MultiSteps(optax.sgd(1e-2), 2),
+               optax.chain(optax.clip(1.0), optax.sgd(1e-2))):
+        lorax.wrap_optimizer(ok, {"w": 2}).init({"w": jnp.ones((4, 4))})

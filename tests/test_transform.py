@@ -643,3 +643,9 @@ def test_multi_row_contraction_derivatives(pattern, w_shape, b_shape, a_shape, x
     got = jax.grad(lambda b: jnp.sum(g(dataclasses.replace(w, b=b), x) ** 2))(w.b)
     want = jax.grad(lambda b: jnp.sum(ref(dataclasses.replace(w, b=b), x) ** 2))(w.b)
     assert_close(got, want, rtol=1e-5)
+
+
+@pytest.mark.parametrize("fn", [3, "model", None])
+def test_lora_refuses_a_non_callable_at_once(fn):
+    with pytest.raises(TypeError, match=r"lora: fn must be a callable .*; got "):
+        lorax.lora(fn)
