@@ -101,13 +101,17 @@ def offload_frozen(params: Any, *, memory_kind: str = HOST) -> Any:
     embeddings) stay where they are. New arrays are made: `params`' own buffers are
     neither changed nor deleted, so drop your references to them to free the
     device memory they hold. Each array keeps its sharding, in the other memory.
-    On a GPU, start the process with `XLA_FLAGS="--xla_gpu_enable_command_buffer=
-    --xla_gpu_enable_pipelined_host_offloading=true"`: with XLA's command buffers on, the
-    copies and the layers' work take turns (Llama-3-70B QLoRA on an H200: 1.24x the
-    on-device step with the flags, 1.78x without). For XLA to move the next layer's codes
-    while a layer computes, a scanned layer under `jax.checkpoint` needs
-    `prevent_cse=False`: the default's barrier keeps the backward loop waiting for each
-    layer's copy (docs/qlora.md, "The 24 GB recipe" and "Overlap").
+    On a GPU, start the process with XLA's command buffers off and its pipelined host
+    offloading on:
+
+        XLA_FLAGS="--xla_gpu_enable_command_buffer= --xla_gpu_enable_pipelined_host_offloading=true"
+
+    With command buffers on, the copies and the layers' work take turns (Llama-3-70B
+    QLoRA on an H200: 1.24x the on-device step with the flags, 1.78x without). For XLA
+    to move the next layer's codes while a layer computes, a scanned layer under
+    `jax.checkpoint` needs `prevent_cse=False`: the default's barrier keeps the
+    backward loop waiting for each layer's copy (docs/qlora.md, "The 24 GB recipe"
+    and "Overlap").
 
     **Arguments:**
 
