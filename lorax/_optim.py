@@ -112,9 +112,8 @@ def check_optimizer(name: str, optimizer: Any) -> None:
     (anything with `init` and `update`, as optax's own protocol has it)."""
     if callable(getattr(optimizer, "init", None)) and callable(getattr(optimizer, "update", None)):
         return
-    shown = repr(optimizer)
-    shown = shown if len(shown) <= 60 else shown[:57] + "..."
     hint = (f" (`optax.{optimizer}(learning_rate)` makes one)"
             if isinstance(optimizer, str) and callable(getattr(optax, optimizer, None)) else "")
-    raise TypeError(f"{name}: optimizer must be an optax.GradientTransformation (with init and "
-                    f"update), e.g. optax.adam(1e-3); got {type(optimizer).__name__} {shown}{hint}")
+    raise TypeError(f"{name}: optimizer must be an optax.GradientTransformation (with init "
+                    f"and update), e.g. optax.adam(1e-3); got {type(optimizer).__name__} "
+                    f"{optimizer!r:.60}{hint}")

@@ -214,14 +214,15 @@ def _is_spec_value(value: Any) -> bool:
             and value >= LORA_FULL)
 
 
-def check_spec_values(spec: Any, where: str) -> None:
-    """Raise a `ValueError` naming the first key path whose spec value is not one.
+def _check_spec_values(spec_leaves: list, where: str) -> None:
+    """Raise a `ValueError` naming the first key path (of `spec_leaves`, a spec flattened
+    with its paths) whose spec value is not one.
 
     Every consumer reads a spec value as "LoRA", "full" or "frozen"; anything else
     (a qtype string passed where the spec goes, a float, `True`) would otherwise
     quietly read as one of them: trained by `wrap_optimizer`, left dense by `quantize`.
     """
-    for path, value in jax.tree_util.tree_flatten_with_path(spec)[0]:
+    for path, value in spec_leaves:
         if not _is_spec_value(value):
             hint = (" (lorax.quantize takes the spec second and the qtype third)"
                     if isinstance(value, str) else "")
@@ -233,10 +234,9 @@ def check_spec_values(spec: Any, where: str) -> None:
 
 def check_spec_structure(spec: Any, params: Any, where: str, is_leaf: Any = None) -> None:
     """Raise a `ValueError` naming the first key path where `spec` and `params` differ,
-    or whose spec value is not one (`check_spec_values`)."""
-    spec_paths = {
-        path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(spec)[0]
-    }
+    or whose spec value is not one (`_check_spec_values`)."""
+    spec_leaves = jax.tree_util.tree_flatten_with_path(spec)[0]
+    spec_paths = {path_str(p) for p, _ in spec_leaves}
     from ._engine import is_value  # local: the engine does not depend on specs
 
     # A LoraWeight or QuantizedArray is one parameter, whatever its leaves.
@@ -257,7 +257,7 @@ def check_spec_structure(spec: Any, params: Any, where: str, is_leaf: Any = None
             f"{where}: the spec's tree does not match the parameters': " + "; ".join(detail)
             + ". Build the spec from the same params (e.g. with lorax.simple_spec)."
         )
-    check_spec_values(spec, where)
+    _check_spec_values(spec_leaves, where)
 
 
 @dataclasses.dataclass(frozen=True)
