@@ -93,18 +93,21 @@ DEFAULT_CELLS = (
     "peft:llama-3-8b:4:eager:off",
 )
 # What the open questions still need from a card, most wanted first (`--cells pending`):
-# PyTorch's fastest configuration beside lorax's fastest (its first step compiles for ~2
-# minutes); unrolled layers against the scanned recipe and hand-written LoRA; remat
-# `offload` (kept inputs in host memory) beside remat `layer`; each ratio's two sides in
-# the same run. Host offload and the QLoRA formats against LoRA were measured on an H200
-# (docs/qlora.md, docs/gpu.md).
+# PyTorch's fastest configuration beside lorax's fastest, scanned and unrolled (PyTorch's
+# first step compiles for ~2 minutes), at 1 and 4 windows; then unrolled layers against
+# the scanned recipe and hand-written LoRA; remat `offload` (kept inputs in host memory)
+# beside remat `layer`; each ratio's two sides in the same run. Host offload and the QLoRA
+# formats against LoRA were measured on an H200 (docs/qlora.md, docs/gpu.md).
 PENDING_CELLS = (
-    # lorax's fastest 8B recipe against PyTorch + PEFT's fastest, in one run (1x and 4x2048)
+    # lorax's fastest 8B recipes against PyTorch + PEFT's fastest, in one run (1x and 4x2048);
+    # unrolled layers copy no weight slice, the scanned step's largest cost after the products
     "peft:llama-3-8b:1:compiled:off", "llama-3-8b:lora:1:dots:auto",
+    "llama-3-8b:lora:1:dots:auto:unrolled",
     "peft:llama-3-8b:4:compiled:off", "llama-3-8b:lora:4:none:auto",
+    "llama-3-8b:lora:4:none:auto:unrolled",
+    "llama-3-8b:hand:1:dots:auto:unrolled", "llama-3-8b:hand:1:dots:auto",
     "llama-3-8b:lora:1:none:auto:unrolled", "llama-3-8b:lora:1:none:auto",
-    "llama-3-8b:hand:1:none:auto:unrolled", "llama-3-8b:lora:1:dots:auto:unrolled",
-    "llama-3-8b:qlora-nf4:1:none:auto:unrolled", "llama-3-8b:qlora-nf4:1:none:auto",
+    "llama-3-8b:qlora-nf4:1:dots:auto:unrolled", "llama-3-8b:qlora-nf4:1:dots:auto",
     "llama-3-8b:qlora-nf4+host:1:offload:auto", "llama-3-8b:qlora-nf4+host:1:layer:auto",
     "llama-3-8b:qlora-nf4:1:layer:auto",
 )
