@@ -18,12 +18,14 @@ import numpy as np
 
 from . import _engine
 from ._files import field, parse_json, read_safetensors
-from ._spec import LORA_FREEZE, LORA_FULL, LoraSpec, check_spec_structure
+from ._spec import LORA_FREEZE, LORA_FULL, LoraSpec, check_lora_leaves, check_spec_structure
 from ._sharding import factor_shardings, place_host_array
 from ._variants.dora import DoraWeight
 from ._weight import LoraWeight, factor_structure, normalize_m_axes
 
 _FORMAT = "lorax-adapter/1"
+# The metadata keys save_adapter writes itself, which load_adapter reads.
+_RESERVED_METADATA = ("format", "lorax_version", "entries")
 _DTYPES = {
     "float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16",
     "int64": "I64", "int32": "I32", "int16": "I16", "int8": "I8",
@@ -115,6 +117,26 @@ def _array_sharding(x: Any) -> Any:
     return None
 
 
+def _check_metadata(metadata: Any) -> None:
+    """Extra metadata is str -> str (safetensors' header says so: another value makes the
+    file unreadable) and leaves lorax's own keys alone (the file would load as another
+    adapter, or not at all)."""
+    if metadata is None:
+        return
+    if not isinstance(metadata, dict):
+        raise TypeError(f"save_adapter: metadata must be a dict of str to str, got "
+                        f"{type(metadata).__name__}.")
+    for key, value in metadata.items():
+        if not isinstance(key, str):
+            raise TypeError(f"save_adapter: metadata keys must be str, got {key!r}.")
+        if not isinstance(value, str):
+            raise TypeError(f"save_adapter: metadata[{key!r}] must be a str (safetensors "
+                            f"metadata is text), got {value!r}.")
+        if key in _RESERVED_METADATA:
+            raise ValueError(f"save_adapter: metadata key {key!r} is lorax's own (it writes "
+                             f"{', '.join(map(repr, _RESERVED_METADATA))}); use another key.")
+
+
 def save_adapter(path: str | os.PathLike, lora_params: Any, spec: Any,
                  metadata: dict[str, str] | None = None) -> None:
     """Save the trainable part of `lora_params` (factors + fully-tuned leaves) to one file.
@@ -133,11 +155,17 @@ def save_adapter(path: str | os.PathLike, lora_params: Any, spec: Any,
     - `path`: the file to write.
     - `lora_params`: a LoRA parameter tree (from [`lorax.init_lora`][] and training).
     - `spec`: the spec it was built with.
-    - `metadata`: extra string key/values to store (e.g. the base model's name).
+    - `metadata`: extra string key/values to store (e.g. the base model's name); not
+      `"format"`, `"lorax_version"` or `"entries"`, which lorax writes itself.
 
     **Returns:**
 
     Nothing.
+
+    **Raises:**
+
+    `TypeError` for `metadata` that is not str -> str, `ValueError` for one of lorax's
+    own keys in it (naming the key), before anything is written.
 
     !!! Example
 
@@ -155,7 +183,9 @@ def save_adapter(path: str | os.PathLike, lora_params: Any, spec: Any,
     """
     from . import __version__
 
+    _check_metadata(metadata)
     check_spec_structure(spec, lora_params, "save_adapter")
+    check_lora_leaves(spec, lora_params, "save_adapter")
     tensors: dict[str, np.ndarray] = {}
     entries = []
     flat, treedef = jax.tree_util.tree_flatten_with_path(lora_params, is_leaf=_engine.is_value)

@@ -19,15 +19,17 @@ The result's scale is 1 (`alpha = rank`), as PEFT's is.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import Array
 
+from ._checks import check_finite
 from ._spec import path_str
-from ._stack import _same_base
+from ._stack import _adapter_list, _check_one_adapter, _same_base
 from ._variants.dora import DoraWeight
 from ._weight import LoraWeight
 
@@ -78,6 +80,31 @@ def _combine(where: str, lws: list[LoraWeight], weights: list[float], how: str,
     return LoraWeight(lw0.w, a, b, alpha=float(k), m_axes=lw0.m_axes)
 
 
+def _checked_args(adapters: Any, weights: Any, combination_type: Any,
+                  svd_rank: Any) -> tuple[list[Any], list[float]]:
+    """The adapters as a list and the weights as floats, every argument checked."""
+    who = "add_weighted_adapter"
+    adapters = _adapter_list(who, adapters)
+    if isinstance(weights, (str, bytes)) or not isinstance(weights, Iterable) \
+            or getattr(weights, "ndim", 1) == 0:
+        raise TypeError(f"{who}: weights must be a sequence of numbers, one per adapter; "
+                        f"got {weights!r}.")
+    weights = [check_finite(who, f"weights[{i}]", w) for i, w in enumerate(weights)]
+    if len(adapters) != len(weights):
+        raise ValueError(f"{who}: {len(adapters)} adapters and {len(weights)} "
+                         "weights; give one weight per adapter (at least one).")
+    if combination_type not in ("linear", "cat", "svd"):
+        raise ValueError(f"{who}: combination_type must be 'linear', 'cat' or "
+                         f"'svd', got {combination_type!r}.")
+    if svd_rank is not None and (isinstance(svd_rank, (bool, np.bool_))
+                                 or not isinstance(svd_rank, (int, np.integer))):
+        raise TypeError(f"{who}: svd_rank must be an int or None, got {svd_rank!r}.")
+    if svd_rank is not None and (combination_type != "svd" or svd_rank < 1):
+        raise ValueError(f"{who}: svd_rank={svd_rank!r} needs "
+                         "combination_type='svd' and a rank >= 1.")
+    return adapters, weights
+
+
 def add_weighted_adapter(
     adapters: Sequence[Any],
     weights: Sequence[float],
@@ -108,7 +135,9 @@ def add_weighted_adapter(
     **Raises:**
 
     `ValueError` naming the key path for adapters that do not share a base or
-    factorisation, unequal ranks under `"linear"`, or a [`lorax.DoraWeight`][].
+    factorisation, an adapter that is a stack ([`lorax.stack_adapters`][]), unequal
+    ranks under `"linear"`, or a [`lorax.DoraWeight`][]; naming the argument for a
+    weight that is `nan` or infinite (`TypeError`: not a number) or a bad `svd_rank`.
 
     !!! Example
 
@@ -128,17 +157,7 @@ def add_weighted_adapter(
         assert jnp.allclose(update(cat), 0.7 * update(a1) + 0.3 * update(a2), atol=1e-5)
         ```
     """
-    adapters = list(adapters)
-    weights = list(weights)
-    if not adapters or len(adapters) != len(weights):
-        raise ValueError(f"add_weighted_adapter: {len(adapters)} adapters and {len(weights)} "
-                         "weights; give one weight per adapter (at least one).")
-    if combination_type not in ("linear", "cat", "svd"):
-        raise ValueError(f"add_weighted_adapter: combination_type must be 'linear', 'cat' or "
-                         f"'svd', got {combination_type!r}.")
-    if svd_rank is not None and (combination_type != "svd" or int(svd_rank) < 1):
-        raise ValueError(f"add_weighted_adapter: svd_rank={svd_rank!r} needs "
-                         "combination_type='svd' and a rank >= 1.")
+    adapters, weights = _checked_args(adapters, weights, combination_type, svd_rank)
     flats = [jax.tree_util.tree_flatten_with_path(t, is_leaf=_is_lora) for t in adapters]
     treedef = flats[0][1]
     paths0 = [path_str(p) for p, _ in flats[0][0]]
@@ -158,6 +177,9 @@ def add_weighted_adapter(
         if not lora:
             out.append(leaves[0])
             continue
+        for i, lw in enumerate(leaves):
+            if _is_lora(lw):  # a stack's factors would be read as batched ones
+                _check_one_adapter("add_weighted_adapter", where, i, lw)
         for lw, _ in lora:
             if isinstance(lw, DoraWeight):
                 raise ValueError(f"add_weighted_adapter: {where!r} is a DoraWeight; combining "

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from . import _engine
+from ._checks import check_bool, check_finite
 from ._spec import LoraSpec, as_lora_spec, check_spec_structure, path_str, spec_axes
 from ._sharding import place_factors
 from ._variants import init as _variant_init
@@ -31,15 +32,28 @@ def _draw_factors(rng: jax.Array, shapes: tuple, dtype: Any, stddev: Any) -> lis
     ]
 
 
-def _check(where: str, spec_val: Any, param: Any) -> LoraSpec | None:
+def check_weight_spec(fn: str, where: str, spec_val: Any, param: Any) -> LoraSpec | None:
+    """The `LoraSpec` that `spec_val` gives the weight `param` at `where` (a key path),
+    every field checked against it, or `None` for a frozen or fully trained leaf; a
+    `ValueError` naming `fn` and `where` if the two do not fit."""
     ls = as_lora_spec(spec_val)  # a spec value: `check_spec_structure` checked each
     if ls is None:
         return None
+    if isinstance(param, LoraWeight):  # its `w` would become a LoraWeight in a LoraWeight
+        raise ValueError(
+            f"{fn}: {where!r} is already a {type(param).__name__}; pass the base "
+            "parameters (lorax.merge_params gives them back from a LoRA tree).")
+    for name in ("batch_ndim", "m_ndim"):
+        value = getattr(ls, name)
+        if value is not None and (isinstance(value, bool) or not isinstance(
+                value, (int, jnp.integer)) or value < 0):
+            raise ValueError(f"{fn}: LoraSpec.{name} at {where!r} must be None or an "
+                             f"int >= 0; got {value!r}.")
     shape = tuple(getattr(param, "shape", ()))
     dtype = getattr(param, "dtype", None)
     if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
         raise ValueError(
-            f"init_lora: {where!r} has dtype {dtype}; LoRA needs a floating-point weight."
+            f"{fn}: {where!r} has dtype {dtype}; LoRA needs a floating-point weight."
         )
     nb = ls.batch_ndim or 0
     _, m, n = spec_axes(shape, ls)
@@ -48,18 +62,20 @@ def _check(where: str, spec_val: Any, param: Any) -> LoraSpec | None:
         or (ls.m_ndim is not None and ls.m_ndim != len(m)))
     if bad_m_axes or len(shape) - nb < 2 or not m or not n:
         raise ValueError(
-            f"init_lora: {where!r} has shape {shape}; a rank-{ls.rank} LoRA with "
+            f"{fn}: {where!r} has shape {shape}; a rank-{ls.rank} LoRA with "
             f"batch_ndim={nb}, m_ndim={ls.m_ndim}, m_axes={ls.m_axes} needs at least one "
             "axis on each side of the factorisation (m_axes: distinct axes after the "
             "batch axes, as many as m_ndim)."
         )
     if isinstance(ls.rank, bool) or not isinstance(ls.rank, (int, jnp.integer)) or ls.rank < 1:
         raise ValueError(
-            f"init_lora: rank {ls.rank!r} at {where!r} must be an integer >= 1 "
+            f"{fn}: rank {ls.rank!r} at {where!r} must be an integer >= 1 "
             f"(weight of shape {shape})."
         )
+    alpha = None if ls.alpha is None else check_finite(fn, f"alpha at {where!r}", ls.alpha)
+    check_bool(fn, f"dora at {where!r}", ls.dora)
     contiguous = m == tuple(range(nb, nb + len(m)))
-    return LoraSpec(int(ls.rank), ls.alpha, nb, len(m), ls.dora, ls.input_factor,
+    return LoraSpec(int(ls.rank), alpha, nb, len(m), ls.dora, ls.input_factor,
                     None if contiguous else m)
 
 
@@ -168,6 +184,9 @@ def init_lora(
         ```
     """
     check_spec_structure(spec, param_tree, "init_lora", is_leaf)
+    alpha, stddev = check_finite("init_lora", "alpha", alpha), check_finite(
+        "init_lora", "stddev", stddev)
+    rslora, dora = check_bool("init_lora", "rslora", rslora), check_bool("init_lora", "dora", dora)
     if not jnp.issubdtype(jnp.dtype(dtype), jnp.floating):
         raise ValueError(f"init_lora: dtype is the factors' and must be a floating-point "
                          f"dtype; got {jnp.dtype(dtype)}.")
@@ -175,7 +194,8 @@ def init_lora(
     leaves, treedef = jax.tree_util.tree_flatten_with_path(
         param_tree, is_leaf=lambda x: _engine.is_value(x) or (is_leaf is not None and is_leaf(x)))
     spec_leaves = treedef.flatten_up_to(spec)
-    checked = [_check(path_str(p), s, x) for (p, x), s in zip(leaves, spec_leaves)]
+    checked = [check_weight_spec("init_lora", path_str(p), s, x)
+               for (p, x), s in zip(leaves, spec_leaves)]
     _warn_full_rank(leaves, checked)
     method = _variant_init.parse(init)
     shapes = tuple(_factor_shapes(tuple(x.shape), c)

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import optax
 
 from . import _engine
-from ._spec import LORA_FREEZE, check_spec_structure
+from ._spec import LORA_FREEZE, check_lora_leaves, check_spec_structure
 from ._weight import LoraWeight, unchecked_replace
 
 _TRAIN, _FREEZE = "lorax_train", "lorax_freeze"
@@ -21,6 +21,7 @@ def _is_lora(x: Any) -> bool:
 
 def _labels(spec: Any, params: Any) -> Any:
     check_spec_structure(spec, params, "wrap_optimizer")
+    check_lora_leaves(spec, params, "wrap_optimizer")
 
     def label_tree(spec_val: Any, param: Any) -> Any:
         if isinstance(param, LoraWeight):

@@ -8,7 +8,8 @@ from typing import Any
 import jax
 
 from . import _engine
-from ._spec import LORA_FREEZE, check_spec_structure
+from ._checks import check_bool
+from ._spec import LORA_FREEZE, check_lora_leaves, check_spec_structure, path_str
 from ._weight import LoraWeight, unchecked_replace
 
 
@@ -28,8 +29,30 @@ def _merger(out_sharding: Any, donate: bool) -> Any:
     return jax.jit(_merge_impl, out_shardings=out_sharding, donate_argnums=(0,) if donate else ())
 
 
-def _merge(lw: LoraWeight, donate: bool, requantize: bool) -> Any:
+@functools.lru_cache(maxsize=None)
+def _host_merger(sharding: Any) -> Any:
+    # XLA adds nothing across memories: `w` comes to the device inside the program and
+    # the merged weight goes back where `w` was, one weight at a time on the device.
+    def merge(lw: LoraWeight) -> jax.Array:
+        w = jax.device_put(lw.w, sharding.with_memory_kind("device"))
+        return _merge_impl(w, unchecked_replace(lw, w=w))
+    return jax.jit(merge, out_shardings=sharding)
+
+
+def _memory_kind(x: Any) -> str | None:
+    sharding = getattr(x, "sharding", None)
+    return getattr(sharding, "memory_kind", None) if isinstance(sharding, jax.sharding.Sharding) else None
+
+
+def _merge(lw: LoraWeight, donate: bool, requantize: bool, where: str) -> Any:
     w = lw.w
+    on_host = any(_memory_kind(x) not in (None, "device") for x in jax.tree.leaves(w))
+    if on_host and _engine.is_value(w):
+        raise ValueError(
+            f"merge_params: the quantized weight at {where!r} is in host memory; put it on "
+            "the device first (jax.device_put), or merge the dense weight.")
+    if on_host:
+        return _host_merger(w.sharding)(lw)
     if _engine.is_value(w):  # a quantized base: dense merged weight (re-quantized if asked)
         merged = _merger(None, False)(None, lw)
         if not requantize:
@@ -52,7 +75,9 @@ def merge_params(lora_params: Any, destructive: bool = False, *, requantize: boo
 
     The result has the original model's tree structure and dtypes, so it runs in
     the unmodified model. Non-LoRA leaves are passed through as they are. A merged
-    weight has its `w`'s sharding (each device adds its own shard of `b @ a`).
+    weight has its `w`'s sharding (each device adds its own shard of `b @ a`); a `w`
+    in host memory ([`lorax.offload_frozen`][]) is merged on the device, one weight at
+    a time, and the merged weight goes back to host memory.
 
     **Arguments:**
 
@@ -82,14 +107,21 @@ def merge_params(lora_params: Any, destructive: bool = False, *, requantize: boo
         assert merged["w"].shape == (8, 4)
         ```
     """
-    def merge(x: Any) -> Any:
+    check_bool("merge_params", "destructive", destructive)
+    check_bool("merge_params", "requantize", requantize)
+
+    def merge(path: Any, x: Any) -> Any:
         if _is_lora(x):
-            return _merge(x, destructive, requantize)
+            return _merge(x, destructive, requantize, path_str(path))
+        if _engine.is_value(x) and not hasattr(x, "dequantize"):
+            raise ValueError(
+                f"merge_params: {path_str(path)!r} is a {type(x).__name__}, made for one "
+                "lorax.lora call (lorax.dropout); merge the parameters it was made from.")
         if _engine.is_value(x) and not requantize:  # a frozen quantized weight
             return x.dequantize()
         return x
 
-    return jax.tree_util.tree_map(merge, lora_params, is_leaf=_engine.is_value)
+    return jax.tree_util.tree_map_with_path(merge, lora_params, is_leaf=_engine.is_value)
 
 
 def split_lora_params(params: Any, spec: Any) -> Any:
@@ -174,6 +206,7 @@ def partition(lora_params: Any, spec: Any) -> tuple[Any, Any]:
 
 def _partition(lora_params: Any, spec: Any, where: str) -> tuple[Any, Any]:
     check_spec_structure(spec, lora_params, where)
+    check_lora_leaves(spec, lora_params, where)
 
     def split(spec_val: Any, param: Any) -> tuple[Any, Any]:
         if _is_lora(param):

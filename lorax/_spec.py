@@ -11,6 +11,8 @@ import jax
 import jax.numpy as jnp
 from jax.tree_util import DictKey, FlattenedIndexKey, GetAttrKey, SequenceKey
 
+from ._checks import check_bool
+
 LORA_FREEZE = 0
 """Spec value: keep this parameter frozen (no gradient, no optimizer state)."""
 LORA_FULL = -1
@@ -67,11 +69,20 @@ class LoraSpec:
     m_axes: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
+        # The other fields are checked where the spec meets a weight (`init_lora`), so
+        # the error can name the weight's key path.
         if self.m_axes is not None:
+            if not isinstance(self.m_axes, Sequence) or not all(map(_is_int, self.m_axes)):
+                raise ValueError(
+                    f"LoraSpec.m_axes must be None or a tuple of ints, got {self.m_axes!r}.")
             object.__setattr__(self, "m_axes", tuple(int(i) for i in self.m_axes))
         if self.input_factor not in (None, "a", "b"):
             raise ValueError(
                 f"LoraSpec.input_factor must be 'a', 'b' or None, got {self.input_factor!r}.")
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, (int, jnp.integer)) and not isinstance(x, bool)
 
 
 SpecValue = Union[int, LoraSpec]
@@ -119,24 +130,40 @@ def _is_float_array(x: Any) -> bool:
     return dtype is not None and jnp.issubdtype(dtype, jnp.floating)
 
 
+def _compile(pattern: Any) -> re.Pattern:
+    try:
+        return re.compile(pattern)
+    except (re.error, TypeError) as e:
+        raise ValueError(f"simple_spec: target {pattern!r} is not a regular expression ({e}).") from e
+
+
 def _target_fn(
     targets: str | Sequence[str] | Mapping[str, SpecValue], rank: SpecValue | None
-) -> Callable[[str, Any], SpecValue]:
+) -> tuple[Callable[[str, Any], SpecValue], list[str]]:
+    """`(decide, matched)`: the decision function for `targets`, and the list it appends
+    each path it matched to (a target matching no weight is a typo, as in PEFT)."""
     if isinstance(targets, Mapping):
-        table = [(re.compile(p), v) for p, v in targets.items()]
+        table = [(_compile(p), v) for p, v in targets.items()]
     else:
         if rank is None:
             raise ValueError("simple_spec: `targets` given as patterns needs `rank=`.")
         patterns = [targets] if isinstance(targets, str) else list(targets)
-        table = [(re.compile(p), rank) for p in patterns]
+        table = [(_compile(p), rank) for p in patterns]
+    for pattern, value in table:
+        if not _is_spec_value(value):
+            raise ValueError(
+                f"simple_spec: the value for target {pattern.pattern!r} must be an int rank > "
+                f"0, a LoraSpec, LORA_FULL (-1) or LORA_FREEZE (0); got {value!r}.")
+    matched: list[str] = []
 
     def decide(path: str, arr: Any) -> SpecValue:
         for pattern, value in table:
             if pattern.search(path):
+                matched.append(path)
                 return value
         return LORA_FREEZE
 
-    return decide
+    return decide, matched
 
 
 def simple_spec(
@@ -172,6 +199,12 @@ def simple_spec(
 
     A pytree of spec values with `params`' structure.
 
+    **Raises:**
+
+    `ValueError` when `targets` match no weight matrix (as PEFT does: a typo would
+    otherwise freeze the whole model), for `rank=` without `targets=`, and for a
+    `decision_fn` value that is not a spec value (naming its path).
+
     !!! Example
 
         ```python
@@ -185,10 +218,15 @@ def simple_spec(
         assert spec == {"attn": {"query": 4, "key": 0, "value": 4}, "norm": lorax.LORA_FULL}
         ```
     """
+    check_bool("simple_spec", "tune_vectors", tune_vectors)
+    matched, seen = None, []
     if targets is not None:
         if decision_fn is not None:
             raise ValueError("simple_spec: pass either `decision_fn` or `targets`, not both.")
-        decision_fn = _target_fn(targets, rank)
+        decision_fn, matched = _target_fn(targets, rank)
+    elif rank is not None:
+        raise ValueError("simple_spec: `rank=` is the value for `targets=`; pass both (or "
+                         "a `decision_fn`).")
     elif decision_fn is None:
         def decision_fn(path: str, arr: Any) -> SpecValue:
             return LORA_FREEZE
@@ -198,8 +236,23 @@ def simple_spec(
             return LORA_FREEZE
         if sum(d > 1 for d in arr.shape) < 2:  # no matrix to factor, even if 4-d
             return LORA_FULL if tune_vectors else LORA_FREEZE
-        return decision_fn(path_str(path), arr)
+        seen.append(path_str(path))
+        value = decision_fn(path_str(path), arr)
+        if not _is_spec_value(value):
+            raise ValueError(
+                f"simple_spec: decision_fn returned {value!r} for {path_str(path)!r}; expected "
+                "an int rank > 0, a LoraSpec, LORA_FULL (-1) or LORA_FREEZE (0).")
+        return value
 
+    spec = _spec_tree(params, leaf_spec, is_leaf)
+    if matched == []:
+        raise ValueError(
+            f"simple_spec: targets {targets!r} matched no weight matrix; their paths look "
+            f"like {seen[:5]} (each target is a regular expression searched in the path).")
+    return spec
+
+
+def _spec_tree(params: Any, leaf_spec: Callable, is_leaf: Callable[[Any], bool] | None) -> Any:
     from ._engine import is_value  # local: the engine does not depend on specs
 
     # A quantized weight is one parameter, whatever its leaves.
@@ -225,7 +278,7 @@ def _check_spec_values(spec_leaves: list, where: str) -> None:
     for path, value in spec_leaves:
         if not _is_spec_value(value):
             hint = (" (lorax.quantize takes the spec second and the qtype third)"
-                    if isinstance(value, str) else "")
+                    if isinstance(value, str) and where == "quantize" else "")
             raise ValueError(
                 f"{where}: spec value at {path_str(path)!r} must be an int rank > 0, a "
                 f"LoraSpec, LORA_FULL (-1) or LORA_FREEZE (0); got {value!r}{hint}."
@@ -257,7 +310,44 @@ def check_spec_structure(spec: Any, params: Any, where: str, is_leaf: Any = None
             f"{where}: the spec's tree does not match the parameters': " + "; ".join(detail)
             + ". Build the spec from the same params (e.g. with lorax.simple_spec)."
         )
+    skeleton = jax.tree_util.tree_map(lambda _: "·", params, is_leaf=stop)  # no arrays in `e`
+    try:
+        jax.tree_util.tree_structure(spec).flatten_up_to(skeleton)
+    except (ValueError, TypeError) as e:  # same paths, other containers: a list for a tuple
+        raise ValueError(
+            f"{where}: the spec's containers do not match the parameters' ({e}). Build "
+            "the spec from the same params (e.g. with lorax.simple_spec).") from e
     _check_spec_values(spec_leaves, where)
+
+
+def check_lora_leaves(spec: Any, lora_params: Any, where: str) -> None:
+    """Raise a `ValueError` naming the first key path where `spec` gives a LoRA rank but
+    `lora_params` holds no `LoraWeight` (call after `check_spec_structure`).
+
+    Those who split, save or optimise a tree read a rank as "its `a` and `b` train":
+    given the base parameters instead (`init_lora` forgotten), the whole weight would
+    be trained, or its adapter left out of a checkpoint, without a word."""
+    from ._weight import LoraWeight  # local: weights do not depend on specs
+
+    paths = jax.tree_util.tree_flatten_with_path(spec)[0]
+    leaves = jax.tree_util.tree_structure(spec).flatten_up_to(lora_params)
+    for (path, value), leaf in zip(paths, leaves):
+        if as_lora_spec(value) is not None and not isinstance(leaf, LoraWeight):
+            raise ValueError(
+                f"{where}: the spec gives {path_str(path)!r} LoRA rank {value!r}, but the "
+                f"parameter there is {_what(leaf)}; pass the tree lorax.init_lora made with "
+                "this spec.")
+
+
+def _what(leaf: Any) -> str:
+    kind = type(leaf).__name__
+    if kind == "LoraDropout":
+        return "a LoraDropout (lorax.dropout's tree is for one lorax.lora call)"
+    if kind == "QuantizedArray":
+        return "a QuantizedArray (a quantized base, not yet given its factors)"
+    if hasattr(leaf, "shape") and hasattr(leaf, "dtype"):
+        return f"an array {jnp.dtype(leaf.dtype).name}{list(leaf.shape)}"
+    return f"a {kind}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -313,10 +403,11 @@ def summary(params: Any, spec: Any) -> SpecSummary:
     import math
 
     from ._engine import is_value
+    from ._init import check_weight_spec  # local: init_lora builds on specs
     from ._weight import LoraWeight
 
     check_spec_structure(spec, params, "summary")
-    flat, treedef = jax.tree_util.tree_flatten(params, is_leaf=is_value)
+    flat, treedef = jax.tree_util.tree_flatten_with_path(params, is_leaf=is_value)
     n_lora = n_full = n_frozen = trainable = total = base_bytes = quantized = 0
 
     def weight_bytes(x: Any) -> int:
@@ -326,7 +417,7 @@ def summary(params: Any, spec: Any) -> SpecSummary:
             return int(x.nbytes)
         return math.prod(getattr(x, "shape", ())) * jnp.dtype(getattr(x, "dtype", jnp.float32)).itemsize
 
-    for leaf, spec_val in zip(flat, treedef.flatten_up_to(spec)):
+    for (path, leaf), spec_val in zip(flat, treedef.flatten_up_to(spec)):
         if isinstance(leaf, LoraWeight):
             n_lora += 1
             trainable += sum(getattr(leaf, f).size for f in leaf.trainable_fields)
@@ -337,7 +428,7 @@ def summary(params: Any, spec: Any) -> SpecSummary:
         shape = tuple(getattr(leaf, "shape", ()))
         size = math.prod(shape)
         total += size
-        ls = as_lora_spec(spec_val)
+        ls = check_weight_spec("summary", path_str(path), spec_val, leaf)
         if ls is not None:
             batch, m, n = spec_axes(shape, ls)
             n_lora += 1

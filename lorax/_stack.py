@@ -20,7 +20,7 @@ would give, with `w` left unbatched), so it goes through `jax.vmap` with
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import equinox as eqx
@@ -87,8 +87,10 @@ def stack_adapters(adapters: Sequence[Any]) -> Any:
     **Raises:**
 
     `ValueError` naming the key path where two adapters differ in structure, targets,
-    factorisation or base, or for a [`lorax.DoraWeight`][] (its magnitude is per
-    adapter and its norm per adapter: not stacked yet).
+    factorisation or base, where an adapter is already a stack, or for a
+    [`lorax.DoraWeight`][] (its magnitude is per adapter and its norm per adapter: not
+    stacked yet); `TypeError` when `adapters` is not a sequence of trees (a dict is one
+    adapter: wrap it as `[adapter]`).
 
     !!! Example
 
@@ -102,10 +104,11 @@ def stack_adapters(adapters: Sequence[Any]) -> Any:
         assert stack["w"].a.shape == (2, 4, 4) and stack["w"].w is params["w"]
         ```
     """
-    adapters = list(adapters)
-    if not adapters:
-        raise ValueError("stack_adapters: no adapters given.")
+    adapters = _adapter_list("stack_adapters", adapters)
     flats, treedef = _same_structure(adapters)
+    if not any(_is_lora(leaf) for _, leaf in flats[0]):  # the result would have no stack axis
+        raise ValueError("stack_adapters: the adapters have no LoraWeight: nothing to stack "
+                         "(pass LoRA parameter trees, from lorax.init_lora).")
     out = []
     for j, (path, leaf0) in enumerate(flats[0]):
         where = path_str(path)
@@ -117,6 +120,66 @@ def stack_adapters(adapters: Sequence[Any]) -> Any:
             _check_shared(where, leaves)
             out.append(leaf0)
     return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def _adapter_list(who: str, adapters: Any) -> list[Any]:
+    """`adapters` as a non-empty list of adapter trees. A dict or a LoraWeight is itself
+    a tree (a single adapter, or a stack), which iterating would take apart into keys or
+    fields."""
+    if isinstance(adapters, (Mapping, LoraWeight)) or hasattr(adapters, "shape") or not \
+            isinstance(adapters, Iterable) or isinstance(adapters, (str, bytes)):
+        raise TypeError(f"{who}: adapters must be a sequence (a list) of LoRA parameter "
+                        f"trees, got a {type(adapters).__name__}; wrap one adapter as "
+                        "[adapter].")
+    adapters = list(adapters)
+    if not adapters:
+        raise ValueError(f"{who}: no adapters given.")
+    return adapters
+
+
+def _fits(lw: LoraWeight, lead: int) -> bool:
+    """Whether `lw`'s factors fit its `w` after `lead` leading axes: `0`, one adapter;
+    `1`, a stack (factors with one more leading axis than `w`'s own batch axes)."""
+    a, b = tuple(jnp.shape(lw.a)), tuple(jnp.shape(lw.b))
+    if lead and (not a or not b or a[0] != b[0]):
+        return False
+    if lw.w is None:  # the trainable half of lorax.partition: `w` is not there to compare
+        return True
+    try:
+        factor_structure(tuple(lw.w.shape), a[lead:], b[lead:], lw.m_axes)
+    except ValueError:
+        return False
+    return True
+
+
+def _factor_shapes(lw: LoraWeight) -> tuple[str, str]:
+    """`("a: ..., b: ...", "w: ...")` for messages."""
+    w = "None" if lw.w is None else tuple(lw.w.shape)
+    return f"a: {tuple(jnp.shape(lw.a))}, b: {tuple(jnp.shape(lw.b))}", f"w: {w}"
+
+
+def _check_one_adapter(who: str, where: str, i: int, lw: LoraWeight) -> None:
+    """A LoraWeight of adapter `i` is one adapter's, not a stack's (whose factors would
+    be read with the adapter axis as a batch axis)."""
+    if _fits(lw, 0):
+        return
+    factors, w = _factor_shapes(lw)
+    what = (f"is a stack of {jnp.shape(lw.a)[0]} adapters (its factors {factors} have an "
+            f"adapter axis before those of {w})" if _fits(lw, 1)
+            else f"has factors {factors} that fit {w} neither as one adapter nor as a stack")
+    raise ValueError(f"{who}: {where!r} in adapter {i} {what}; pass single adapters "
+                     "(lorax.unstack_adapters splits a stack).")
+
+
+def _adapter_count(who: str, where: str, lw: LoraWeight) -> int:
+    """The size of a stacked LoraWeight's adapter axis; a plain one's leading axis is
+    its rank (or a batch axis of `w`), which must not be read as adapters."""
+    if _fits(lw, 1):
+        return int(jnp.shape(lw.a)[0])
+    factors, w = _factor_shapes(lw)
+    fits = "as one adapter" if _fits(lw, 0) else "neither as one adapter nor as a stack"
+    raise ValueError(f"{who}: {where!r} has no adapter axis (its factors {factors} fit {w} "
+                     f"{fits}); pass a tree from lorax.stack_adapters.")
 
 
 def _same_structure(adapters: list[Any]) -> tuple[list[Any], Any]:
@@ -154,6 +217,7 @@ def _check_stackable(where: str, leaves: list[LoraWeight]) -> None:
     """The adapters' LoraWeights at one key path: plain LoRA, factored alike, one base."""
     leaf0 = leaves[0]
     for i, lw in enumerate(leaves):
+        _check_one_adapter("stack_adapters", where, i, lw)
         if isinstance(lw, DoraWeight):
             raise ValueError(
                 f"stack_adapters: {where!r} in adapter {i} is a DoraWeight; DoRA's "
@@ -196,11 +260,21 @@ def _stack_weights(leaves: list[LoraWeight]) -> LoraWeight:
     return eqx.tree_at(lambda l: (l.a, l.b), one, (jnp.stack(a), jnp.stack(b)))
 
 
-def _stacked_count(tree: Any) -> int:
-    ns = {int(lw.a.shape[0]) for lw in jax.tree.leaves(tree, is_leaf=_is_lora) if _is_lora(lw)}
+def _adapter_sizes(who: str, tree: Any) -> set[int]:
+    """The adapter-axis sizes of `tree`'s LoraWeights, each checked to have one."""
+    sizes = set()
+    for path, x in jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_lora)[0]:
+        if _is_lora(x) and x.a is not None and x.b is not None:  # not a frozen half
+            sizes.add(_adapter_count(who, path_str(path), x))
+    return sizes
+
+
+def _stacked_count(tree: Any, who: str) -> int:
+    ns = _adapter_sizes(who, tree)
     if len(ns) != 1:
-        raise ValueError(f"expected a stack of adapters (lorax.stack_adapters); its LoraWeights "
-                         f"have adapter axes of sizes {sorted(ns)}.")
+        got = (f"its LoraWeights have adapter axes of sizes {sorted(ns)}" if ns
+               else "it has no LoraWeight")
+        raise ValueError(f"{who}: expected a stack of adapters (lorax.stack_adapters); {got}.")
     return ns.pop()
 
 
@@ -241,6 +315,7 @@ def adapter_axes(stack: Any) -> Any:
                                is_leaf=lambda v: v is None)
         return None
 
+    _adapter_sizes("adapter_axes", stack)
     return jax.tree.map(axes, stack, is_leaf=lambda x: _is_lora(x) or _engine.is_value(x))
 
 
@@ -272,7 +347,7 @@ def unstack_adapters(stack: Any) -> list[Any]:
         assert len(back) == 3 and (back[1]["w"].a == adapters[1]["w"].a).all()
         ```
     """
-    n = _stacked_count(stack)
+    n = _stacked_count(stack, "unstack_adapters")
 
     def take(i: int) -> Any:
         def one(x: Any) -> Any:
@@ -320,15 +395,16 @@ def select_adapters(stack: Any, adapter_ids: Any) -> Any:
 
     **Raises:**
 
-    `ValueError` for an id outside `[-1, N)` when `adapter_ids` is concrete. Under
+    `ValueError` for an id outside `[-1, N)` when `adapter_ids` is concrete (under
     `jit` the ids are not known: an out-of-range id fills that example's factors with
-    NaN, so its outputs are NaN rather than silently another adapter's.
+    NaN, so its outputs are NaN rather than silently another adapter's), or naming the
+    key path of a `LoraWeight` without an adapter axis (`stack` is not a stack).
 
     !!! Example
 
         See [`lorax.mixed_batch`][].
     """
-    n = _stacked_count(stack)
+    n = _stacked_count(stack, "select_adapters")
     ids = _checked_ids(adapter_ids, n, "select_adapters")
     # Row n of the extended factors is "no adapter"; an id outside [-1, n) goes past the
     # end, where the gather fills NaN.
@@ -411,7 +487,7 @@ def mixed_batch(fn: Callable[..., Any], *, in_axes: Any = 0, out_axes: Any = 0,
     lfn = lora(fn, **lora_kwargs)
 
     def wrapped(stack: Any, adapter_ids: Any, *args: Any) -> Any:
-        n = _stacked_count(stack)
+        n = _stacked_count(stack, "mixed_batch")
         ids = _checked_ids(adapter_ids, n, "mixed_batch")
         choice = (ids[:, None] == jnp.arange(n)).astype(jnp.float32)  # (batch, n); -1: all 0
         bad = (ids < -1) | (ids >= n)

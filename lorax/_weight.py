@@ -13,6 +13,7 @@ from jax import Array, lax
 from jax.typing import ArrayLike
 
 from . import _engine
+from ._checks import check_finite
 from ._placement import on_device
 from ._sharding import weight_aval
 
@@ -184,6 +185,7 @@ class LoraWeight(_engine.ArrayValue, metaclass=_engine.FastPytreeMeta):
             raise TypeError(
                 f"LoraWeight.alpha must be a Python number (it is static), got {alpha!r}."
             )
+        alpha = check_finite(type(self).__name__, "alpha", alpha)  # a nan scale trains on nans
         w_shape, a_shape, b_shape = _shape(w), _shape(a), _shape(b)
         if m_axes is not None:
             n_batch = len(b_shape) + len(a_shape) - len(w_shape) - 2
@@ -196,6 +198,7 @@ class LoraWeight(_engine.ArrayValue, metaclass=_engine.FastPytreeMeta):
                 a = a.reshape(a_shape03) if hasattr(a, "reshape") else jnp.reshape(a, a_shape03)
             else:
                 factor_structure(w_shape, a_shape, b_shape)  # raises, saying what fits
+        _check_weight(type(self).__name__, w, b_shape)
         self.w = w
         self.a = a
         self.b = b
@@ -270,6 +273,23 @@ class LoraWeight(_engine.ArrayValue, metaclass=_engine.FastPytreeMeta):
             f"LoraWeight(w={_short(self.w)}, a={_short(self.a)}, b={_short(self.b)}, "
             f"alpha={self.alpha}{extra})"
         )
+
+
+def _check_weight(cls: str, w: Any, b_shape: tuple[int, ...]) -> None:
+    """The checks the factor shapes cannot make: `w`'s dtype and a rank of at least 1.
+
+    Like the shape check, this runs in the constructor only: pytree operations rebuild
+    a `LoraWeight` around `None`, labels or statistics without calling it."""
+    # An integer `w` would round the update away (`delta` casts to `w`'s dtype).
+    dtype = None if _engine.is_value(w) else getattr(w, "dtype", None)
+    if dtype is not None and not jnp.issubdtype(dtype, jnp.floating):
+        raise ValueError(
+            f"{cls}: w has dtype {jnp.dtype(dtype).name}; LoRA needs a floating-point "
+            "weight (a quantized base is a lorax.QuantizedArray).")
+    if b_shape and b_shape[-1] == 0:  # the scale alpha / k would divide by zero
+        raise ValueError(
+            f"{cls}: the factors have rank 0 (b's last axis, got b: {b_shape}); a LoRA "
+            "update needs rank >= 1 (leave a weight without one dense, or LORA_FREEZE it).")
 
 
 def _shape(x: Any) -> tuple[int, ...]:

@@ -98,3 +98,24 @@ def test_load_onto_lora_params_of_same_rank_replaces_factors(tmp_path):
     loaded, _ = lorax.load_adapter(path, fresh)
     np.testing.assert_array_equal(loaded["head"].b, lp["head"].b)
     assert loaded["head"].w is fresh["head"].w
+
+
+@pytest.mark.parametrize("metadata, error, match", [
+    ({"n": 3}, TypeError, r"metadata\['n'\] must be a str"),          # was an unreadable file
+    ({3: "x"}, TypeError, r"metadata keys must be str, got 3"),
+    ({"entries": "[]"}, ValueError, r"metadata key 'entries' is lorax's own"),  # loaded empty
+    ({"format": "x"}, ValueError, r"metadata key 'format' is lorax's own"),     # unloadable
+    ({"lorax_version": "0"}, ValueError, r"metadata key 'lorax_version' is lorax's own"),
+    ([("base", "x")], TypeError, r"metadata must be a dict of str to str, got list"),
+])
+def test_metadata_is_str_to_str_and_leaves_lorax_keys_alone(tmp_path, metadata, error, match):
+    params, spec, lp = _trained()
+    path = tmp_path / "adapter.safetensors"
+    with pytest.raises(error, match=r"save_adapter: " + match):
+        lorax.save_adapter(path, lp, spec, metadata=metadata)
+    assert not path.exists()
+    lorax.save_adapter(path, lp, spec, metadata={"base_model": "tiny"})
+    with safetensors.safe_open(str(path), "numpy") as f:
+        assert f.metadata()["base_model"] == "tiny"
+    loaded, _ = lorax.load_adapter(path, params)
+    np.testing.assert_array_equal(loaded["head"].b, lp["head"].b)

@@ -101,3 +101,32 @@ def test_errors():
                                     "norm": 0}, jax.random.PRNGKey(0))
     with pytest.raises(ValueError, match=r"'layers' is a DoraWeight"):
         lorax.add_weighted_adapter([dora, dora], [1, 1], "cat")
+
+
+def test_errors_in_the_arguments_name_them():
+    params, adapters = _adapters()
+    with pytest.raises(ValueError, match=r"weights\[1\] must be a finite number, got nan"):
+        lorax.add_weighted_adapter(adapters, [1.0, float("nan"), 1.0], "cat")
+    with pytest.raises(ValueError, match=r"weights\[0\] must be a finite number, got inf"):
+        lorax.add_weighted_adapter(adapters, [np.inf, 1.0, 1.0], "cat")
+    with pytest.raises(TypeError, match=r"weights\[2\] must be a real number, got '1'"):
+        lorax.add_weighted_adapter(adapters, [1.0, 1.0, "1"], "cat")
+    with pytest.raises(TypeError, match=r"weights must be a sequence of numbers.*got 0\.5"):
+        lorax.add_weighted_adapter(adapters, 0.5)
+    with pytest.raises(TypeError, match=r"svd_rank must be an int or None, got 2\.5"):
+        lorax.add_weighted_adapter(adapters, [1, 1, 1], "svd", svd_rank=2.5)
+    with pytest.raises(TypeError, match=r"adapters must be a sequence \(a list\) of LoRA "
+                                        r"parameter trees, got a dict"):
+        lorax.add_weighted_adapter(adapters[0], [1.0])
+    out = lorax.add_weighted_adapter(adapters, jnp.array([0.5, 0.25, 1.0]), "cat")
+    assert out["layers"].rank == 10
+
+
+def test_a_stack_is_not_one_adapter():
+    """A stack's adapter axis was read as a batch axis: a LoraWeight shape error naming
+    no key path."""
+    params, adapters = _adapters()
+    stack = lorax.stack_adapters(adapters[:2])
+    with pytest.raises(ValueError, match=r"add_weighted_adapter: 'layers' in adapter 0 is a stack "
+                                         r"of 2 adapters.*lorax\.unstack_adapters"):
+        lorax.add_weighted_adapter([stack], [1.0], "cat")

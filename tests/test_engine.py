@@ -104,3 +104,30 @@ def test_fast_registration_is_a_faithful_pytree():
 def test_constructor_still_checks_shapes():
     with pytest.raises(ValueError, match="factor shapes do not fit"):
         lorax.LoraWeight(jnp.ones((4, 3)), a=jnp.ones((2, 4)), b=jnp.zeros((4, 2)))
+
+
+def test_constructor_rejects_an_integer_weight_and_rank_0():
+    a, b = jnp.full((2, 4), 0.3), jnp.full((8, 2), 0.3)
+    # An int32 `w` would truncate the update (x @ w + s * x @ b @ a rounded away).
+    for w in (jnp.arange(32, dtype=jnp.int32).reshape(8, 4), np.ones((8, 4), np.int8),
+              jnp.ones((8, 4), bool), jax.ShapeDtypeStruct((8, 4), jnp.uint8)):
+        with pytest.raises(ValueError, match=r"LoraWeight: w has dtype \w+; LoRA needs a "
+                                             "floating-point weight.*QuantizedArray"):
+            lorax.LoraWeight(w, a, b)
+    with pytest.raises(ValueError, match=r"LoraWeight: the factors have rank 0.*rank >= 1"):
+        lorax.LoraWeight(jnp.ones((8, 4)), jnp.ones((0, 4)), jnp.ones((8, 0)))
+    for alpha in (float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="LoraWeight: alpha must be a finite number"):
+            lorax.LoraWeight(jnp.ones((8, 4)), a, b, alpha)
+    # Floating and quantized bases, and abstract ones, are still weights.
+    for w in (jnp.ones((8, 4), jnp.bfloat16), jax.ShapeDtypeStruct((8, 4), jnp.float32),
+              lorax.QuantizedArray.from_dense(jnp.ones((8, 4)), "int8")):
+        assert lorax.LoraWeight(w, a, b).shape == (8, 4)
+    # Trees that only share a LoraWeight's structure never meet the check.
+    lw = lorax.LoraWeight(jnp.ones((8, 4)), a, b)
+    assert jax.tree.map(lambda x: x.dtype == jnp.float32, lw).w is True
+    assert jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.int32), lw).w.dtype == jnp.int32
+    assert jax.eval_shape(lambda l: l, lw).w.shape == (8, 4)
+    from lorax._weight import unchecked_replace
+
+    assert unchecked_replace(lw, w=None, a=False).w is None

@@ -65,3 +65,37 @@ def test_frozen_and_full_leaves_are_the_same_objects():
 def test_an_integer_factor_dtype_is_an_error():
     with pytest.raises(ValueError, match="init_lora: dtype is the factors'.*int8"):
         lorax.init_lora({"w": jnp.ones((8, 4))}, {"w": 2}, jax.random.PRNGKey(0), dtype=jnp.int8)
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(alpha=float("nan")), ValueError, "init_lora: alpha must be a finite number"),
+    (dict(alpha=None), TypeError, "init_lora: alpha must be a real number, got None"),
+    (dict(stddev="0.1"), TypeError, "init_lora: stddev must be a real number"),
+    (dict(rslora="no"), TypeError, "init_lora: rslora must be True or False"),
+    (dict(dora="no"), TypeError, "init_lora: dora must be True or False"),
+])
+def test_init_lora_checks_its_numbers_and_flags(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        lorax.init_lora({"w": jnp.ones((8, 4))}, {"w": 2}, jax.random.PRNGKey(0), **kwargs)
+
+
+@pytest.mark.parametrize("spec_val, match", [
+    (lorax.LoraSpec(2, alpha=float("inf")), "alpha at 'block/kernel' must be a finite"),
+    (lorax.LoraSpec(2, alpha="x"), "alpha at 'block/kernel' must be a real number"),
+    (lorax.LoraSpec(2, batch_ndim=-1), "batch_ndim at 'block/kernel' must be None or an int >= 0"),
+    (lorax.LoraSpec(2, m_ndim=1.0), "m_ndim at 'block/kernel' must be None or an int >= 0"),
+    (lorax.LoraSpec(2, dora="no"), "dora at 'block/kernel' must be True or False"),
+])
+def test_a_lora_specs_fields_are_checked_at_their_path(spec_val, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        lorax.init_lora({"block": {"kernel": jnp.zeros((8, 16))}}, {"block": {"kernel": spec_val}},
+                        jax.random.PRNGKey(0))
+    with pytest.raises(ValueError, match="LoraSpec.m_axes must be None or a tuple of ints"):
+        lorax.LoraSpec(2, m_axes=1)
+
+
+def test_init_lora_refuses_a_tree_that_already_has_its_factors():
+    lp = lorax.init_lora({"w": jnp.ones((8, 4))}, {"w": 2}, jax.random.PRNGKey(0))
+    with pytest.raises(ValueError, match="init_lora: 'w' is already a LoraWeight"):
+        lorax.init_lora(lp, {"w": 4}, jax.random.PRNGKey(1))
+    assert lorax.init_lora(lp, {"w": 0}, jax.random.PRNGKey(1))["w"] is lp["w"]  # kept frozen

@@ -125,4 +125,15 @@ def test_a_non_optimizer_is_named_by_each_consumer(optimizer, hint):
     # what is accepted: any transformation with init and update, MultiSteps included
     for ok in (optax.adam(1e-3), optax.MultiSteps(optax.sgd(1e-2), 2),
                optax.chain(optax.clip(1.0), optax.sgd(1e-2))):
-        lorax.wrap_optimizer(ok, {"w": 2}).init({"w": jnp.ones((4, 4))})
+        lp = lorax.init_lora({"w": jnp.ones((4, 4))}, {"w": 2}, jax.random.PRNGKey(0))
+        lorax.wrap_optimizer(ok, {"w": 2}).init(lp)
+
+
+def test_wrap_optimizer_refuses_a_rank_over_a_plain_array():
+    """Given the base tree, Adam's moments would cover (and train) the whole weight."""
+    params = {"w": jnp.ones((8, 4)), "bias": jnp.zeros(4)}
+    spec = {"w": 2, "bias": lorax.LORA_FULL}
+    opt = lorax.wrap_optimizer(optax.adam(1e-3), spec)
+    with pytest.raises(ValueError, match="wrap_optimizer: the spec gives 'w' LoRA rank 2"):
+        opt.init(params)
+    opt.init(lorax.init_lora(params, spec, jax.random.PRNGKey(0)))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 
@@ -102,3 +103,47 @@ def test_merge_params_keeps_structure_and_dtypes():
     merged = lorax.merge_params(lp)
     assert merged["w"].dtype == jnp.bfloat16 and merged["v"] is params["v"]
     assert jax.tree.structure(merged) == jax.tree.structure(params)
+
+
+def _lora_tree():
+    k = jax.random.PRNGKey(0)
+    params = {"w": jax.random.normal(k, (8, 4)), "bias": jnp.zeros(4)}
+    spec = {"w": 2, "bias": lorax.LORA_FULL}
+    lp = lorax.init_lora(params, spec, k)
+    lp["w"] = lorax.LoraWeight(lp["w"].w, lp["w"].a, jnp.full((8, 2), 0.5), alpha=2.0)
+    return params, spec, lp
+
+
+@pytest.mark.parametrize("name", ["partition", "split_lora_params", "save_adapter"])
+def test_a_rank_over_a_plain_array_is_refused_with_its_path(name, tmp_path):
+    """The base tree (init_lora forgotten) would be split, saved or optimised with its whole
+    weight as the trainable part; a dropout tree would lose its adapter."""
+    params, spec, lp = _lora_tree()
+    call = {"partition": lambda t: lorax.partition(t, spec),
+            "split_lora_params": lambda t: lorax.split_lora_params(t, spec),
+            "save_adapter": lambda t: lorax.save_adapter(tmp_path / "a.safetensors", t, spec)}[name]
+    with pytest.raises(ValueError, match=rf"{name}: the spec gives 'w' LoRA rank 2.*float32\[8, 4\]"):
+        call(params)
+    with pytest.raises(ValueError, match="LoraDropout"):
+        call(lorax.dropout(lp, jax.random.PRNGKey(1), 0.1))
+    assert not (tmp_path / "a.safetensors").exists()
+    call(lp)  # the LoRA tree itself
+
+
+def test_merge_params_checks_its_flags_and_keeps_the_weights():
+    _, _, lp = _lora_tree()
+    for flag in ("destructive", "requantize"):
+        with pytest.raises(TypeError, match=f"merge_params: {flag} must be True or False, got 'no'"):
+            lorax.merge_params(lp, **{flag: "no"})
+    assert not lp["w"].w.is_deleted()  # a truthy string once meant "delete them"
+    with pytest.raises(ValueError, match="'w' is a LoraDropout"):
+        lorax.merge_params(lorax.dropout(lp, jax.random.PRNGKey(1), 0.1))
+
+
+def test_merge_params_of_a_weight_in_host_memory_merges_it_there():
+    _, _, lp = _lora_tree()
+    offloaded = lorax.offload_frozen(lp)
+    merged = lorax.merge_params(offloaded)
+    assert merged["w"].sharding.memory_kind == "pinned_host"
+    assert_close(np.asarray(merged["w"]), np.asarray(lorax.merge_params(lp)["w"]))
+    assert not offloaded["w"].w.is_deleted()

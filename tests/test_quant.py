@@ -491,6 +491,34 @@ def test_bad_input_names_the_key_path():
     assert lorax.quantize(small, {"w": lorax.LORA_FREEZE}, "q8_0")["w"] is small["w"]
 
 
+def test_misuse_of_quantize_says_what_went_wrong():
+    params, spec, _ = _mlp()
+    # The spec and the qtype swapped: the qtype is checked before the format lookup.
+    with pytest.raises(TypeError, match=r"quantize: qtype must be a string such as 'nf4'; "
+                                        r"got a dict \(the spec goes second\)"):
+        lorax.quantize(params, "nf4", spec)
+    with pytest.raises(TypeError, match="from_dense: qtype must be a string"):
+        lorax.QuantizedArray.from_dense(jnp.ones((64, 64)), ["nf4"])
+    with pytest.raises(ValueError, match="^quantize: unknown qtype 'nf5'"):
+        lorax.quantize(params, spec, "nf5")
+    # A quantized weight stays as it is; quantizing after init_lora names the weight.
+    q = lorax.quantize({"l": {"w": jnp.ones((128, 64))}}, {"l": {"w": 8}}, "nf4")
+    assert lorax.quantize(q, {"l": {"w": 8}}, "q8_0")["l"]["w"] is q["l"]["w"]
+    lp = lorax.init_lora({"l": {"w": jnp.ones((128, 64))}}, {"l": {"w": 8}}, jax.random.PRNGKey(0))
+    with pytest.raises(ValueError, match=r"'l/w' is already a LoraWeight; quantize the dense "
+                                         "base before init_lora"):
+        lorax.quantize(lp, {"l": {"w": 8}}, "nf4")
+    # Flags are read with `if`: "no" would mean yes.
+    with pytest.raises(TypeError, match="quantize: double_quant must be True or False, got 'no'"):
+        lorax.quantize(params, spec, "nf4", double_quant="no")
+    with pytest.raises(TypeError, match="from_dense: double_quant must be True or False"):
+        lorax.QuantizedArray.from_dense(jnp.ones((64, 64)), "nf4", double_quant=1)
+    with pytest.raises(TypeError, match="from_gguf: transpose must be True or False"):
+        lorax.QuantizedArray.from_gguf(np.zeros((2, 18), np.uint8), "q4_0", transpose="no")
+    with pytest.raises(TypeError, match="quantize: min_size must be an int, got '4096'"):
+        lorax.quantize(params, spec, "nf4", min_size="4096")
+
+
 def test_scanned_llama_on_a_quantized_base_matches_the_dequantized_base():
     from examples.shakespeare import llama
 

@@ -128,3 +128,47 @@ def test_tune_vectors_counts_axes_longer_than_one():
                     "row": lorax.LORA_FULL, "w": 1}
     frozen = lorax.simple_spec(params, decision_fn=lambda path, w: 1)
     assert frozen["bn"] == {"scale": lorax.LORA_FREEZE, "offset": lorax.LORA_FREEZE}
+
+
+def test_simple_spec_refuses_what_would_freeze_everything_silently():
+    params = {"attn": {"query": jnp.zeros((8, 8))}, "norm": jnp.ones(8)}
+    with pytest.raises(ValueError, match="`rank=` is the value for `targets=`"):
+        lorax.simple_spec(params, rank=4)
+    with pytest.raises(ValueError, match=r"targets 'q_proj' matched no weight matrix.*attn/query"):
+        lorax.simple_spec(params, targets="q_proj", rank=4)
+    with pytest.raises(ValueError, match=r"target '\(' is not a regular expression"):
+        lorax.simple_spec(params, targets="(", rank=4)
+    with pytest.raises(ValueError, match="the value for target 'query' must be an int rank"):
+        lorax.simple_spec(params, targets={"query": "4"})
+    with pytest.raises(TypeError, match="tune_vectors must be True or False"):
+        lorax.simple_spec(params, tune_vectors="yes")
+    # a list of targets of which one matches is a model's usual list
+    assert lorax.simple_spec(params, targets=["q_proj", "query"], rank=4)["attn"]["query"] == 4
+
+
+@pytest.mark.parametrize("value", ["2", None, 2.5, -3, True])
+def test_simple_spec_names_a_decision_fns_bad_value(value):
+    with pytest.raises(ValueError, match=rf"decision_fn returned {value!r} for 'w'"):
+        lorax.simple_spec({"w": jnp.zeros((4, 4))}, lambda path, arr: value)
+
+
+@pytest.mark.parametrize("params, spec, match", [
+    ((jnp.zeros((4, 4)), jnp.zeros(4)), [2, 0], r"Expected list, got \('·', '·'\)"),
+    ({0: jnp.zeros((4, 4))}, {"0": 2}, "Dict key mismatch"),
+])
+def test_a_spec_with_other_containers_is_named(params, spec, match):
+    """Same path strings, other containers: refused before any tree operation fails."""
+    with pytest.raises(ValueError, match=rf"init_lora: the spec's containers do not match.*{match}"):
+        lorax.init_lora(params, spec, jax.random.PRNGKey(0))
+
+
+@pytest.mark.parametrize("spec, match", [
+    ({"w": lorax.LoraSpec(2, m_ndim=5), "bias": 0}, "summary: 'w' has shape"),
+    ({"w": 2, "bias": 2}, "summary: 'bias' has shape"),  # init_lora refuses it too
+])
+def test_summary_refuses_what_init_lora_refuses(spec, match):
+    params = {"w": jnp.zeros((8, 4)), "bias": jnp.zeros(4)}
+    with pytest.raises(ValueError, match=match):
+        lorax.summary(params, spec)
+    with pytest.raises(ValueError, match=match.replace("summary", "init_lora")):
+        lorax.init_lora(params, spec, jax.random.PRNGKey(0))

@@ -310,3 +310,57 @@ def test_side_by_side_step_holds_the_base_once():
     assert m.argument_size_in_bytes < base + 3.5 * factors + per_adapter_data + 4096
     # Temporaries: nowhere near N copies of the base.
     assert m.temp_size_in_bytes < base, (m.temp_size_in_bytes, base)
+
+
+# -- bad input: trees that are not stacks, stacks where single adapters go -------------------------
+
+
+def _one_adapter():
+    k = jax.random.split(jax.random.PRNGKey(0), 3)
+    params = {"w": jax.random.normal(k[0], (8, 4)), "layers": jax.random.normal(k[1], (3, 6, 6)),
+              "bias": jnp.zeros(4)}
+    spec = {"w": 2, "layers": lorax.LoraSpec(3, batch_ndim=1), "bias": lorax.LORA_FULL}
+    return params, spec, _nudged(lorax.init_lora(params, spec, k[2]), 1)
+
+
+def test_a_tree_that_was_never_stacked_has_no_adapter_axis():
+    """The rank axis (or a batch axis of w) was read as the adapter axis: unstack gave
+    `rank` "adapters" with 1-D factors, select_adapters a (batch, N) `a`."""
+    params, spec, lp = _one_adapter()
+    match = (r"{}: '(w|layers)' has no adapter axis \(its factors a: .* fit w: .* as one "
+             r"adapter\); pass a tree from lorax\.stack_adapters")
+    with pytest.raises(ValueError, match=match.format("unstack_adapters")):
+        lorax.unstack_adapters(lp)
+    with pytest.raises(ValueError, match=match.format("select_adapters")):
+        lorax.select_adapters(lp, jnp.array([0, 1, 1]))
+    with pytest.raises(ValueError, match=match.format("mixed_batch")):
+        lorax.mixed_batch(lambda p, x: x @ p["w"])(lp, jnp.array([0, 1]), jnp.ones((2, 8)))
+    with pytest.raises(ValueError, match=match.format("adapter_axes")):
+        lorax.adapter_axes(lp)
+    with pytest.raises(ValueError, match=r"unstack_adapters: expected a stack of adapters "
+                                         r"\(lorax\.stack_adapters\); it has no LoraWeight"):
+        lorax.unstack_adapters(params)
+    # The same tree stacked: every function takes it, and either half of partition.
+    stack = lorax.stack_adapters([lp, _nudged(lp, 2)])
+    trainable, frozen = lorax.partition(stack, spec)
+    assert len(lorax.unstack_adapters(stack)) == len(lorax.unstack_adapters(trainable)) == 2
+    assert lorax.select_adapters(stack, jnp.array([1, 0, -1]))["layers"].a.shape == (3, 3, 3, 6)
+    lorax.adapter_axes(trainable), lorax.adapter_axes(frozen)
+
+
+def test_stack_adapters_takes_a_sequence_of_single_adapters():
+    """A dict was iterated as its keys (`data type 'bias' not understood`); a stack of
+    stacks failed in LoraWeight with no key path; trees without LoraWeights made a
+    "stack" with no adapter axis."""
+    params, spec, lp = _one_adapter()
+    for bad in (lp, lp["w"], None):
+        with pytest.raises(TypeError, match=r"stack_adapters: adapters must be a sequence \(a "
+                                            r"list\) of LoRA parameter trees, got a"):
+            lorax.stack_adapters(bad)
+    stack = lorax.stack_adapters([lp, lp])
+    with pytest.raises(ValueError, match=r"stack_adapters: '(w|layers)' in adapter 0 is a stack of "
+                                         r"2 adapters.*lorax\.unstack_adapters splits a stack"):
+        lorax.stack_adapters([stack, stack])
+    with pytest.raises(ValueError, match=r"stack_adapters: the adapters have no LoraWeight"):
+        lorax.stack_adapters([params, params])
+    assert lorax.stack_adapters(iter([lp, lp]))["w"].a.shape == (2, 2, 4)

@@ -34,6 +34,19 @@ class Module:
         return int(self.lora_a.shape[0])
 
 
+def check_dtype(fn_name: str, dtype: Any, allowed: tuple[str, ...], why: str) -> np.dtype:
+    """`dtype` as a NumPy dtype if it is one of `allowed` (dtype names), else a
+    `ValueError`: casting factors to an integer dtype would round them to zeros."""
+    try:
+        dt = None if dtype is None else np.dtype(dtype)
+    except TypeError:
+        dt = None
+    if dt is None or dt.name not in allowed:
+        raise ValueError(f"{fn_name}: dtype must be one of {', '.join(allowed)} ({why}); "
+                         f"got {repr(dtype) if dt is None else dt.name}.")
+    return dt
+
+
 def lora_leaves(lora_params: Any) -> list[tuple[str, list[str], LoraWeight]]:
     flat = jax.tree_util.tree_flatten_with_path(lora_params, is_leaf=_engine.is_value)[0]
     out = []

@@ -26,11 +26,14 @@ import jax
 import numpy as np
 
 from .._files import read_gguf_header
-from ._export import Module, export_modules
+from ._export import Module, check_dtype, export_modules
 
 # Architectures whose q/k rows llama.cpp's converter reorders (LlamaModel.permute).
 _QK_PERMUTED = ("llama",)
 _QK = re.compile(r"^blk\.\d+\.attn_(q|k)\.weight$")
+# The adapter tensors' dtypes: llama.cpp's converter writes F32 and F16 (and BF16, which
+# gguf's writer does not take from NumPy arrays; integer types would truncate the factors).
+_DTYPES = ("float32", "float16")
 
 
 def _gguf() -> Any:
@@ -89,7 +92,7 @@ def save_gguf_lora(
     - `module_name`: key path -> module or tensor name, as in [`lorax.save_peft`][].
     - `layout`: which side of each weight is the input, as in [`lorax.save_peft`][].
     - `qk_rows`: `'hf'` or `'gguf'`, see above.
-    - `dtype`: the adapter tensors' dtype (`np.float32` or `np.float16`).
+    - `dtype`: the adapter tensors' dtype, `np.float32` or `np.float16`.
 
     **Returns:**
 
@@ -97,7 +100,8 @@ def save_gguf_lora(
 
     **Raises:**
 
-    `ValueError` naming the module when it maps to no tensor of `base`, its factors
+    `ValueError` when `path` is `base` (the model is not overwritten) or `dtype` is not
+    one of the two above; naming the module when it maps to no tensor of `base`, its factors
     do not fit that tensor, or `qk_rows` is needed and missing; naming the key path of
     a [`lorax.DoraWeight`][] (llama.cpp has no DoRA); naming `base` and the field when
     its header cannot be read (as [`lorax.load_gguf`][]) or its block or head count does
@@ -112,6 +116,9 @@ def save_gguf_lora(
             qk_rows="hf")
         ```
     """
+    _refuse_overwriting_base(path, base)
+    dtype = check_dtype("save_gguf_lora", dtype, _DTYPES,
+                        "the llama.cpp LoRA tensor types gguf writes")
     _refuse_dora(lora_params)
     gguf = _gguf()
     if qk_rows not in (None, "hf", "gguf"):
@@ -132,6 +139,22 @@ def save_gguf_lora(
         tensors[t + ".lora_b"] = np.ascontiguousarray(lora_b, dtype=dtype)
     if jax.process_index() == 0:
         _write(gguf, path, model.arch, alpha, tensors)
+
+
+def _refuse_overwriting_base(path: Any, base: Any) -> None:
+    """`path` is not the base model's file: writing the adapter there would destroy it."""
+    for name, value in (("path", path), ("base", base)):
+        if not isinstance(value, (str, os.PathLike)):
+            raise TypeError(f"save_gguf_lora: {name} must be a file path, got {value!r}.")
+    p, b = os.fspath(path), os.fspath(base)
+    if os.path.exists(p) and os.path.exists(b):
+        same = os.path.samefile(p, b)  # also through hard links
+    else:
+        same = os.path.realpath(p) == os.path.realpath(b)
+    if same:
+        raise ValueError(f"save_gguf_lora: path {p!r} is the base model file {b!r}; writing the "
+                         "adapter there would overwrite the model. Give the adapter a file of "
+                         "its own.")
 
 
 def _refuse_dora(lora_params: Any) -> None:

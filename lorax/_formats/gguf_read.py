@@ -13,6 +13,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
+from .._checks import check_bool
 from .._files import read_gguf_header
 
 # Tensors that load as plain arrays: ggml type name -> numpy dtype.
@@ -99,6 +100,7 @@ def load_gguf(path: str | os.PathLike, *, transpose: bool = False) -> tuple[dict
         assert meta["general.architecture"] == "llama"
         ```
     """
+    transpose = check_bool("load_gguf", "transpose", transpose)
     header = read_gguf_header(path, "load_gguf")
     supported = supported_types()
     for name, t in header.tensors.items():

@@ -34,11 +34,14 @@ from .._spec import LORA_FREEZE, LoraSpec
 from .._variants.dora import DoraWeight
 from .._weight import LoraWeight
 from . import _torch
-from ._export import Module, export_modules
+from ._export import Module, check_dtype, export_modules
 
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
 _PREFIX = "base_model.model."
+# What save_peft may cast factors to: safetensors' floating dtypes (an integer one would
+# round the factors to zeros).
+_DTYPES = ("float32", "float16", "bfloat16", "float64")
 _BASE_LAYER = ".base_layer.weight"
 _SUFFIXES = {
     ".lora_A.weight": ("A", None), ".lora_B.weight": ("B", None),
@@ -143,7 +146,8 @@ def save_peft(
     - `task_type`: PEFT's `task_type`: `'CAUSAL_LM'` for a language model served with
       transformers' `generate` / vLLM, `'SEQ_CLS'`, ...; `None` (a plain `PeftModel`,
       for any torch module).
-    - `dtype`: cast the factors to this dtype (default: keep theirs).
+    - `dtype`: cast the factors to this dtype: `float32`, `float16`, `bfloat16` or
+      `float64` (default: keep theirs).
 
     **Returns:**
 
@@ -152,7 +156,8 @@ def save_peft(
     **Raises:**
 
     `ValueError` naming the key path when a weight's layout or module name cannot be
-    known, or two weights map to one module.
+    known, or two weights map to one module; naming the argument for a `dtype` not
+    listed above or a `directory` that is a file.
 
     !!! Example
 
@@ -170,6 +175,12 @@ def save_peft(
         assert (loaded["model"]["q_proj"]["kernel"].a == lp["model"]["q_proj"]["kernel"].a).all()
         ```
     """
+    if dtype is not None:
+        dtype = check_dtype("save_peft", dtype, _DTYPES,
+                            "floating point; None keeps the factors' own")
+    if os.path.exists(directory) and not os.path.isdir(directory):
+        raise ValueError(f"save_peft: {os.fspath(directory)!r} is a file; a PEFT adapter is a "
+                         f"directory ({CONFIG_NAME} + {WEIGHTS_NAME}): give a directory path.")
     modules = export_modules("save_peft", lora_params, module_name, layout, dtype)
     _check_all_or_no_dora(modules)
     others = _known_modules(lora_params, module_name, [m.name for m in modules])
@@ -299,6 +310,11 @@ def _frozen_names(module_name: Any, parts: list[str], shape: tuple[int, ...]) ->
 
 
 def _read_config(directory: str) -> dict[str, Any]:
+    if os.path.isfile(directory):
+        hint = (f" (pass {os.path.dirname(directory) or '.'!r}, the directory it is in)"
+                if os.path.basename(directory) in (CONFIG_NAME, WEIGHTS_NAME) else "")
+        raise ValueError(f"load_peft: {directory!r} is a file; a PEFT adapter is a directory "
+                         f"holding {CONFIG_NAME} and {WEIGHTS_NAME}{hint}.")
     path = os.path.join(directory, CONFIG_NAME)
     try:
         config = read_json(path, "load_peft")
@@ -575,7 +591,8 @@ def load_peft(
 
     **Arguments:**
 
-    - `directory`: the adapter directory.
+    - `directory`: the adapter directory (holding `adapter_config.json` and
+      `adapter_model.safetensors`; a file is a `ValueError`).
     - `params`: the base model's parameters (arrays, [`lorax.QuantizedArray`][]s, or a
       LoRA tree whose factors are replaced).
     - `module_name`: how key paths map to torch module names, as in

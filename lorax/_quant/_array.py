@@ -14,6 +14,7 @@ from jax import Array, lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from .. import _engine
+from .._checks import check_bool
 from .._placement import on_device
 from .._sharding import weight_aval
 from . import _formats as F
@@ -314,7 +315,8 @@ class QuantizedArray(_engine.ArrayValue, metaclass=_engine.FastPytreeMeta):
         A `QuantizedArray` of `w`'s shape; if `w` is sharded (a `NamedSharding` over
         several devices), its leaves are sharded the same way (see `with_sharding`).
         """
-        fmt = F.get_format(qtype)
+        fmt = F.get_format(qtype, "QuantizedArray.from_dense")
+        double_quant = check_bool("QuantizedArray.from_dense", "double_quant", double_quant)
         shape = tuple(jnp.shape(w))
         check_options(block_size, dtype, "w")
         dtype = jnp.dtype(dtype or jnp.result_type(w))
@@ -366,7 +368,8 @@ class QuantizedArray(_engine.ArrayValue, metaclass=_engine.FastPytreeMeta):
             assert (q.dequantize()[:, :16] == 0.0).all() and (q.dequantize()[:, 16:] == 1.0).all()
             ```
         """
-        fmt = F.get_format(qtype)
+        fmt = F.get_format(qtype, "QuantizedArray.from_gguf")
+        transpose = check_bool("QuantizedArray.from_gguf", "transpose", transpose)
         rec = fmt.record
         if rec is None:
             gguf_types = ", ".join(n for n, f in F.FORMATS.items() if f.record is not None)

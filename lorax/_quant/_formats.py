@@ -374,9 +374,12 @@ FORMATS: dict[str, Format] = {
 }
 
 
-def get_format(qtype: str) -> Format:
+def get_format(qtype: str, where: str = "QuantizedArray") -> Format:
+    if not isinstance(qtype, str):  # `in FORMATS` would fail on an unhashable one
+        raise TypeError(f"{where}: qtype must be a string such as 'nf4', got {qtype!r}.")
     if qtype not in FORMATS:
-        raise ValueError(f"unknown qtype {qtype!r}; the known ones are {', '.join(FORMATS)}.")
+        raise ValueError(f"{where}: unknown qtype {qtype!r}; the known ones are "
+                         f"{', '.join(FORMATS)}.")
     return FORMATS[qtype]
 
 

@@ -8,7 +8,10 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
+from .. import _engine
+from .._checks import check_bool
 from .._spec import LORA_FREEZE, as_lora_spec, check_spec_structure, path_str, spec_axes
 from . import _formats as F
 from ._array import QuantizedArray, check_options, check_quantizable, check_scale_dtype
@@ -99,8 +102,12 @@ def quantize(
     **Raises:**
 
     `ValueError` naming the key path, for an unknown `qtype` (listing the known
-    ones), or for a LoRA target that cannot be quantized: a block size that does not
-    divide its block axis, an integer dtype, fewer than two axes.
+    ones), for a LoRA target that cannot be quantized: a block size that does not
+    divide its block axis, an integer dtype, fewer than two axes; or for a weight
+    that is already a `LoraWeight` (quantize before `init_lora`). A weight that is
+    already a `QuantizedArray` (a GGUF file's blocks) stays as it is.
+    `TypeError` for a `qtype` that is not a string (the spec goes second) or a
+    `double_quant` that is not a bool.
 
     !!! Example
 
@@ -117,20 +124,37 @@ def quantize(
         assert y.shape == (2, 64)
         ```
     """
-    fmt = F.get_format(qtype)
+    if not isinstance(qtype, str):  # before the format lookup, which cannot hash a spec
+        raise TypeError(f"quantize: qtype must be a string such as 'nf4'; got a "
+                        f"{type(qtype).__name__} (the spec goes second).")
+    fmt = F.get_format(qtype, "quantize")
+    double_quant = check_bool("quantize", "double_quant", double_quant)
+    if isinstance(min_size, bool) or not isinstance(min_size, (int, np.integer)):
+        raise TypeError(f"quantize: min_size must be an int, got {min_size!r}.")
     if fmt.quantize is None:  # otherwise every frozen leaf would quietly stay dense
         check_quantizable(fmt, (1, 1), jnp.float32, -2, None, False, "every weight")
     check_options(block_size, dtype, "every weight")
     if scale_dtype is not None:  # else frozen leaves would quietly stay dense
         check_scale_dtype(fmt, scale_dtype, double_quant, "every weight")
     check_spec_structure(spec, params, "quantize", is_leaf)
-    leaves, treedef = jax.tree_util.tree_flatten_with_path(params, is_leaf=is_leaf)
+    # Stop at a LoraWeight or QuantizedArray, as the spec check does: `_check_dense`
+    # then names it, where flattening into its leaves would not match the spec.
+    stop = lambda x: _engine.is_value(x) or (is_leaf is not None and is_leaf(x))  # noqa: E731
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(params, is_leaf=stop)
     spec_leaves = treedef.flatten_up_to(spec)
     options = dict(block_size=block_size, dtype=dtype, double_quant=double_quant, axis=axis,
                    min_size=min_size, scale_dtype=scale_dtype)
     out = [_quantize_leaf(fmt, path, x, spec_val, **options)
            for (path, x), spec_val in zip(leaves, spec_leaves)]
     return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def _check_dense(where: str, x: Any) -> None:
+    """Raise naming `where` if `x`, marked to be quantized, is a LoraWeight (or DoraWeight):
+    init_lora came first, and its `w` would be quantized under trained factors."""
+    if _engine.is_value(x):
+        raise ValueError(f"quantize: {where} is already a {type(x).__name__}; quantize "
+                         "the dense base before init_lora.")
 
 
 def _quantize_leaf(fmt: F.Format, path: Any, x: Any, spec_val: Any, *, block_size: int | None,
@@ -142,8 +166,9 @@ def _quantize_leaf(fmt: F.Format, path: Any, x: Any, spec_val: Any, *, block_siz
     dtype_x = getattr(x, "dtype", None)
     default = _block_axis(spec_val, len(shape))
     target = as_lora_spec(spec_val) is not None
-    if default is None or isinstance(x, QuantizedArray):
+    if default is None or isinstance(x, QuantizedArray):  # a GGUF tree's blocks stay theirs
         return x
+    _check_dense(where, x)
     # Vectors and scalars stay dense when frozen; a rank on them is an error
     # init_lora reports anyway, so say it here with the quantization's words.
     if not target and (len(shape) < 2 or math.prod(shape) < min_size):

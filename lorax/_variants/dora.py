@@ -111,8 +111,12 @@ class DoraWeight(LoraWeight):
 
         A `DoraWeight` equal to `lw` as an array (`m = ||V||`).
         """
+        if not isinstance(lw, LoraWeight):
+            raise TypeError(f"DoraWeight.from_lora: lw must be a lorax.LoraWeight, got "
+                            f"{type(lw).__name__}.")
         if input_factor not in ("a", "b"):
-            raise ValueError(f"input_factor must be 'a' or 'b', got {input_factor!r}.")
+            raise ValueError(f"DoraWeight.from_lora: input_factor must be 'a' or 'b', got "
+                             f"{input_factor!r}.")
         out_side: Side = "a" if input_factor == "b" else "b"
         norm = _norm_jit(lw.w, lw.a, lw.b, scale=lw.scale, side=out_side, axes=lw.axes)
         return cls(lw.w, lw.a, lw.b, norm.astype(lw.a.dtype), lw.alpha, m_axes=lw.m_axes)

@@ -8,6 +8,7 @@ from typing import Any
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import Array
 
 from .. import _engine
@@ -90,7 +91,8 @@ def dropout(lora_params: Any, key: jax.Array | None, rate: float) -> Any:
         grads = jax.grad(loss)(params, jnp.ones((3, 8)), jax.random.PRNGKey(1))
         ```
     """
-    if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0.0 <= rate < 1.0:
+    if isinstance(rate, (bool, np.bool_)) or not isinstance(
+            rate, (int, float, np.integer, np.floating)) or not 0.0 <= rate < 1.0:
         raise ValueError(f"lorax.dropout: rate must be a number in [0, 1), got {rate!r}.")
     if key is None or rate == 0.0:
         return lora_params

@@ -9,7 +9,8 @@ import jax.numpy as jnp
 import optax
 
 from .. import _engine
-from .._spec import as_lora_spec
+from .._checks import check_finite
+from .._spec import LORA_FREEZE, as_lora_spec, check_spec_structure
 from .._weight import LoraWeight, factor_axes, unchecked_replace
 from .dora import DoraWeight
 
@@ -76,7 +77,7 @@ def loraplus(ratio: float = 16.0, spec: Any = None) -> optax.GradientTransformat
     """
     if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or ratio <= 0:
         raise ValueError(f"lorax.loraplus: ratio must be a positive number, got {ratio!r}.")
-    ratio = float(ratio)
+    ratio = check_finite("lorax.loraplus", "ratio", ratio, positive=True)  # nan, inf
 
     def scale(x: Any) -> Any:
         if x is None or not hasattr(x, "dtype") or x.dtype == jax.dtypes.float0:
@@ -93,8 +94,24 @@ def loraplus(ratio: float = 16.0, spec: Any = None) -> optax.GradientTransformat
         return jax.tree_util.tree_map(
             lambda x: scale(x) if getattr(x, "ndim", 2) <= 1 else x, u)
 
+    # Where the spec freezes, the trainable half from `partition` holds `None` and
+    # `wrap_optimizer`'s masking a `MaskedNode`: each stands for a parameter, and so
+    # does the spec's `None` where the parameters have one.
+    is_none = lambda x: x is None or isinstance(x, optax.MaskedNode)  # noqa: E731
+    full_spec = jax.tree_util.tree_map(lambda s: LORA_FREEZE if s is None else s, spec,
+                                       is_leaf=is_none)
+
+    def check_spec(tree: Any) -> None:
+        if spec is not None:
+            check_spec_structure(full_spec, tree, "lorax.loraplus", is_none)
+
+    def init(params: Any) -> optax.EmptyState:
+        check_spec(params)
+        return optax.EmptyState()
+
     def update(updates: Any, state: Any, params: Any = None) -> tuple[Any, Any]:
         del params
+        check_spec(updates)
         is_node = lambda x: isinstance(x, LoraWeight) or _engine.is_value(x)  # noqa: E731
         if spec is None:
             new = jax.tree_util.tree_map(lambda u: node_update(None, u), updates,
@@ -104,4 +121,4 @@ def loraplus(ratio: float = 16.0, spec: Any = None) -> optax.GradientTransformat
                                          is_leaf=lambda x: x is None)
         return new, state
 
-    return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
+    return optax.GradientTransformation(init, update)

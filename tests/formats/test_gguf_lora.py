@@ -170,3 +170,28 @@ def test_base_metadata_the_file_cannot_be_is_named(tmp_path, base):
     lorax.save_gguf_lora(out, lp, base, module_name=NAMES, layout=LAYOUT, qk_rows="gguf")
     base.write_bytes(full)  # the control
     lorax.save_gguf_lora(out, lp, base, module_name=NAMES, layout=LAYOUT, qk_rows="hf")
+
+
+def test_writing_over_the_base_model_is_refused(tmp_path, base):
+    """`path` the same file as `base` (directly, or through another name) would replace
+    the user's model with the adapter: refused before anything is written."""
+    lp, full = _lora(), base.read_bytes()
+    (tmp_path / "link.gguf").symlink_to(base)
+    for path in (base, str(base), tmp_path / "." / "base.gguf", tmp_path / "link.gguf"):
+        with pytest.raises(ValueError, match=r"path '.*' is the base model file '.*base\.gguf'"):
+            lorax.save_gguf_lora(path, lp, base, module_name=NAMES, layout=LAYOUT, qk_rows="hf")
+    assert base.read_bytes() == full
+
+
+@pytest.mark.parametrize("dtype", [np.int8, np.int32, "bfloat16", np.float64, None, "banana"])
+def test_dtype_must_be_one_llama_cpp_reads(tmp_path, base, dtype):
+    """An integer dtype truncated the factors (I8 tensors of 0 and ±1), bfloat16 failed
+    inside gguf's writer: each is named, with the dtypes that work, before writing."""
+    out = tmp_path / "adapter.gguf"
+    with pytest.raises(ValueError, match=r"save_gguf_lora: dtype must be one of float32, float16"):
+        lorax.save_gguf_lora(out, _lora(), base, module_name=NAMES, layout=LAYOUT, qk_rows="hf",
+                             dtype=dtype)
+    assert not out.exists()
+    lorax.save_gguf_lora(out, _lora(), base, module_name=NAMES, layout=LAYOUT, qk_rows="hf",
+                         dtype=np.float16)
+    assert {t.dtype for t in _read(out)[1].values()} == {np.dtype(np.float16)}

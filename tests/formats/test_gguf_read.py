@@ -281,3 +281,10 @@ def test_every_tensor_of_a_real_q4_k_m_file_dequantizes_like_gguf_py():
         assert got.shape == ref.shape, t.name
         np.testing.assert_array_equal(got.view(np.uint32), ref.view(np.uint32), err_msg=t.name)
     assert {"Q5_0", "Q4_K", "Q6_K", "Q8_0", "F32"} <= seen, seen
+
+
+@pytest.mark.parametrize("flag", ["no", 0, 1, None])
+def test_transpose_must_be_a_bool(every_type, flag):
+    """`transpose="no"` transposed every tensor (a string is true)."""
+    with pytest.raises(TypeError, match=r"load_gguf: transpose must be True or False, got"):
+        lorax.load_gguf(every_type[0], transpose=flag)

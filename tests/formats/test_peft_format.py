@@ -479,3 +479,27 @@ def test_target_modules_are_the_shortest_exact_selection(tmp_path):
     select = lambda name: any(name == t or name.endswith("." + t)  # noqa: E731
                               for t in config["target_modules"])
     assert [select(n) for n in ("enc.q_proj", "enc.v_proj", "dec.q_proj")] == [True, True, False]
+
+
+@pytest.mark.parametrize("dtype", [jnp.int8, np.int32, "banana"])
+def test_error_dtype_that_is_not_floating(tmp_path, dtype):
+    """An integer dtype wrote the factors rounded to zeros."""
+    with pytest.raises(ValueError, match=r"save_peft: dtype must be one of float32, float16, "
+                                         r"bfloat16, float64"):
+        _saved(tmp_path / "out", dtype=dtype)
+    assert not (tmp_path / "out").exists()
+    _saved(tmp_path / "bf16", dtype=jnp.bfloat16)
+    assert _read(tmp_path / "bf16")[1][P + "model.q_proj.lora_A.weight"].dtype.name == "bfloat16"
+
+
+def test_error_a_file_is_not_an_adapter_directory(tmp_path):
+    """load_peft of a file (the safetensors file itself) was a raw NotADirectoryError."""
+    params = _saved(tmp_path)
+    weights = tmp_path / "adapter_model.safetensors"
+    with pytest.raises(ValueError, match=r"load_peft: '.*adapter_model\.safetensors' is a file; a "
+                                         r"PEFT adapter is a directory holding adapter_config\.json"
+                                         r" and adapter_model\.safetensors \(pass '.*', the directory"):
+        lorax.load_peft(weights, params)
+    with pytest.raises(ValueError, match=r"save_peft: '.*adapter_model\.safetensors' is a file"):
+        _saved(weights)
+    lorax.load_peft(tmp_path, params)  # the directory loads

@@ -235,6 +235,17 @@ def test_bad_magnitude_shape_is_a_clear_error():
         DoraWeight(w, jnp.ones((2, 6)), jnp.ones((8, 2)), jnp.ones((6,)))
 
 
+def test_integer_weight_and_non_lora_input_are_clear_errors():
+    with pytest.raises(ValueError, match="DoraWeight: w has dtype int32; LoRA needs a floating"):
+        DoraWeight(jnp.ones((8, 6), jnp.int32), jnp.ones((2, 6)), jnp.ones((8, 2)),
+                   jnp.ones((1, 6)))
+    with pytest.raises(TypeError, match="from_lora: lw must be a lorax.LoraWeight, got ArrayImpl"):
+        DoraWeight.from_lora(jnp.ones((8, 6)))
+    lw = lorax.LoraWeight(jnp.ones((8, 6)), jnp.ones((2, 6)), jnp.ones((8, 2)))
+    with pytest.raises(ValueError, match="from_lora: input_factor must be 'a' or 'b'"):
+        DoraWeight.from_lora(lw, "x")
+
+
 def test_weight_norm_identity_matches_direct_norm_on_large_update():
     r = np.random.default_rng(5)
     w = jnp.asarray(r.standard_normal((32, 24)), jnp.float32)

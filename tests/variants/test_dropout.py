@@ -153,10 +153,18 @@ def test_embedding_lookup_has_no_dropout():
     np.testing.assert_array_equal(f(lorax.dropout(lp, _key(), RATE), ids), f(lp, ids))
 
 
-@pytest.mark.parametrize("rate", [-0.1, 1.0, True, "0.1"])
+@pytest.mark.parametrize("rate", [-0.1, 1.0, True, "0.1", float("nan"), np.float32(1.5)])
 def test_bad_rate(rate):
     with pytest.raises(ValueError, match="rate must be a number in"):
         lorax.dropout(_lora_params((4, 4), 2), _key(), rate)
+
+
+def test_a_numpy_rate_is_a_rate():
+    lp = _lora_params((4, 4), 2)
+    x = jnp.ones((3, 4))
+    f = lorax.lora(lambda p, x: x @ p["w"])
+    np.testing.assert_array_equal(f(lorax.dropout(lp, _key(), np.float32(RATE)), x),
+                                  f(lorax.dropout(lp, _key(), float(np.float32(RATE))), x))
 
 
 def test_bad_key():

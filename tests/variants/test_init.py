@@ -166,3 +166,15 @@ def test_errors_name_the_key_path():
         lorax.init_lora({"w": w[:3]}, {"w": 4}, jax.random.PRNGKey(0), init="olora")
     with pytest.raises(ValueError, match="iters must be an int >= 1"):
         lorax.init_lora({"w": w}, {"w": 4}, jax.random.PRNGKey(0), init=lorax.LoftQ(iters=0))
+
+
+def test_loftq_checks_its_arguments_when_built():
+    for iters in (0, True, 1.5, "2"):
+        with pytest.raises(ValueError, match=rf"LoftQ: iters must be an int >= 1, got {iters!r}"):
+            lorax.LoftQ("nf4", iters=iters)
+    for bs in (0, True, 64.0):
+        with pytest.raises(ValueError, match="LoftQ: block_size must be a positive int"):
+            lorax.LoftQ("nf4", block_size=bs)
+    with pytest.raises(TypeError, match="LoftQ: qtype must be a string such as 'nf4'"):
+        lorax.LoftQ({"w": 4})
+    assert lorax.LoftQ("q4_1", iters=2, block_size=32).iters == 2

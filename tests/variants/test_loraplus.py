@@ -107,3 +107,28 @@ def test_without_spec_dora_still_knows_its_side():
 def test_bad_ratio(ratio):
     with pytest.raises(ValueError, match="ratio must be a positive number"):
         lorax.loraplus(ratio)
+
+
+@pytest.mark.parametrize("ratio", [float("nan"), float("inf")])
+def test_non_finite_ratio(ratio):
+    with pytest.raises(ValueError, match="lorax.loraplus: ratio must be a finite number > 0"):
+        lorax.loraplus(ratio)
+
+
+def test_a_spec_of_other_params_names_the_key_path():
+    params = {"w": jnp.ones((8, 4)), "bias": jnp.zeros(4)}
+    spec = {"w": 2, "bias": lorax.LORA_FULL}
+    trainable, _ = lorax.partition(lorax.init_lora(params, spec, jax.random.PRNGKey(0)), spec)
+    grads = jax.tree.map(jnp.ones_like, trainable)
+    wrong = lorax.loraplus(16.0, {"w": 2})
+    for call in (lambda: wrong.init(trainable),
+                 lambda: wrong.update(grads, optax.EmptyState())):
+        with pytest.raises(ValueError, match=r"loraplus: the spec's tree does not match.*'bias'"):
+            call()
+    # Frozen leaves (None in the trainable half) still match their spec values, and a
+    # None parameter its None spec value.
+    params, frozen = dict(params, none=None), {"w": 2, "bias": lorax.LORA_FREEZE, "none": None}
+    trainable, _ = lorax.partition(lorax.init_lora(params, frozen, jax.random.PRNGKey(0)), frozen)
+    opt = lorax.loraplus(16.0, frozen)
+    updates, _ = opt.update(jax.tree.map(jnp.ones_like, trainable), opt.init(trainable))
+    assert updates["bias"] is None
