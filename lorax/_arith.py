@@ -24,10 +24,9 @@ from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import Array
 
-from ._checks import check_finite
+from ._checks import check_finite, is_int
 from ._spec import path_str
 from ._stack import _adapter_list, _check_one_adapter, _same_base
 from ._variants.dora import DoraWeight
@@ -96,8 +95,7 @@ def _checked_args(adapters: Any, weights: Any, combination_type: Any,
     if combination_type not in ("linear", "cat", "svd"):
         raise ValueError(f"{who}: combination_type must be 'linear', 'cat' or "
                          f"'svd', got {combination_type!r}.")
-    if svd_rank is not None and (isinstance(svd_rank, (bool, np.bool_))
-                                 or not isinstance(svd_rank, (int, np.integer))):
+    if svd_rank is not None and not is_int(svd_rank):
         raise TypeError(f"{who}: svd_rank must be an int or None, got {svd_rank!r}.")
     if svd_rank is not None and (combination_type != "svd" or svd_rank < 1):
         raise ValueError(f"{who}: svd_rank={svd_rank!r} needs "

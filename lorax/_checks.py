@@ -14,6 +14,11 @@ import jax
 import numpy as np
 
 
+def is_int(x: Any) -> bool:
+    """An integer, Python's or NumPy's (JAX's scalar types are NumPy's), and not a bool."""
+    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+
 def check_bool(where: str, name: str, value: Any) -> bool:
     """`value` if it is a bool (Python's or NumPy's), else a `TypeError`."""
     if not isinstance(value, (bool, np.bool_)):

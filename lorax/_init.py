@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from . import _engine
-from ._checks import check_bool, check_finite
+from ._checks import check_bool, check_finite, is_int
 from ._spec import LoraSpec, as_lora_spec, check_spec_structure, path_str, spec_axes
 from ._sharding import place_factors
 from ._variants import init as _variant_init
@@ -45,8 +45,7 @@ def check_weight_spec(fn: str, where: str, spec_val: Any, param: Any) -> LoraSpe
             "parameters (lorax.merge_params gives them back from a LoRA tree).")
     for name in ("batch_ndim", "m_ndim"):
         value = getattr(ls, name)
-        if value is not None and (isinstance(value, bool) or not isinstance(
-                value, (int, jnp.integer)) or value < 0):
+        if value is not None and (not is_int(value) or value < 0):
             raise ValueError(f"{fn}: LoraSpec.{name} at {where!r} must be None or an "
                              f"int >= 0; got {value!r}.")
     shape = tuple(getattr(param, "shape", ()))
@@ -67,7 +66,7 @@ def check_weight_spec(fn: str, where: str, spec_val: Any, param: Any) -> LoraSpe
             "axis on each side of the factorisation (m_axes: distinct axes after the "
             "batch axes, as many as m_ndim)."
         )
-    if isinstance(ls.rank, bool) or not isinstance(ls.rank, (int, jnp.integer)) or ls.rank < 1:
+    if not is_int(ls.rank) or ls.rank < 1:
         raise ValueError(
             f"{fn}: rank {ls.rank!r} at {where!r} must be an integer >= 1 "
             f"(weight of shape {shape})."
@@ -184,12 +183,7 @@ def init_lora(
         ```
     """
     check_spec_structure(spec, param_tree, "init_lora", is_leaf)
-    alpha, stddev = check_finite("init_lora", "alpha", alpha), check_finite(
-        "init_lora", "stddev", stddev)
-    rslora, dora = check_bool("init_lora", "rslora", rslora), check_bool("init_lora", "dora", dora)
-    if not jnp.issubdtype(jnp.dtype(dtype), jnp.floating):
-        raise ValueError(f"init_lora: dtype is the factors' and must be a floating-point "
-                         f"dtype; got {jnp.dtype(dtype)}.")
+    alpha, stddev, rslora, dora = _checked_options(alpha, stddev, dtype, rslora, dora)
     # A quantized weight is one leaf (it becomes a LoraWeight's `w`).
     leaves, treedef = jax.tree_util.tree_flatten_with_path(
         param_tree, is_leaf=lambda x: _engine.is_value(x) or (is_leaf is not None and is_leaf(x)))
@@ -208,9 +202,8 @@ def init_lora(
         if ls is None:
             out.append(param)
             continue
-        nb, nm, k = ls.batch_ndim, ls.m_ndim, ls.rank
         a_ = alpha if ls.alpha is None else ls.alpha
-        a_ = a_ * math.sqrt(k) if rslora else a_
+        a_ = a_ * math.sqrt(ls.rank) if rslora else a_
         where = path_str(path)
         if method is None:
             a, b = next(factors)
@@ -221,13 +214,29 @@ def init_lora(
                 f"{tuple(param.shape)}). Use the default init for it.")
         else:
             param, a, b = _variant_init.init_factors(
-                method, param, ls, a_ / k, jax.random.fold_in(rng, i), jnp.dtype(dtype), where)
-        try:
-            a, b = place_factors(param, a, b, nb, ls.m_axes or nm, rank_axis)
-        except ValueError as err:
-            raise ValueError(f"init_lora: {where!r}: {err}") from None
-        lw = LoraWeight(param, a=a, b=b, alpha=a_, m_axes=ls.m_axes)
-        if dora or ls.dora:
-            lw = DoraWeight.from_lora(lw, input_factor=ls.input_factor or "b")
-        out.append(lw)
+                method, param, ls, a_ / ls.rank, jax.random.fold_in(rng, i), jnp.dtype(dtype),
+                where)
+        out.append(_lora_weight(where, param, a, b, a_, ls, rank_axis, dora or ls.dora))
     return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def _checked_options(alpha: Any, stddev: Any, dtype: Any, rslora: Any,
+                     dora: Any) -> tuple[float, float, bool, bool]:
+    """`init_lora`'s numbers and flags, each checked (a `nan` scale, a flag `"no"`)."""
+    if not jnp.issubdtype(jnp.dtype(dtype), jnp.floating):
+        raise ValueError(f"init_lora: dtype is the factors' and must be a floating-point "
+                         f"dtype; got {jnp.dtype(dtype)}.")
+    return (check_finite("init_lora", "alpha", alpha), check_finite("init_lora", "stddev", stddev),
+            check_bool("init_lora", "rslora", rslora), check_bool("init_lora", "dora", dora))
+
+
+def _lora_weight(where: str, param: Any, a: Any, b: Any, alpha: float, ls: LoraSpec,
+                 rank_axis: str | None, dora: bool) -> LoraWeight:
+    """One weight's `LoraWeight` (a `DoraWeight` with `dora`), its factors placed as the
+    weight's sharding and `rank_axis` say."""
+    try:
+        a, b = place_factors(param, a, b, ls.batch_ndim, ls.m_axes or ls.m_ndim, rank_axis)
+    except ValueError as err:
+        raise ValueError(f"init_lora: {where!r}: {err}") from None
+    lw = LoraWeight(param, a=a, b=b, alpha=alpha, m_axes=ls.m_axes)
+    return DoraWeight.from_lora(lw, input_factor=ls.input_factor or "b") if dora else lw

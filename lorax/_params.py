@@ -9,6 +9,7 @@ import jax
 
 from . import _engine
 from ._checks import check_bool
+from ._placement import in_host_memory, on_device
 from ._spec import LORA_FREEZE, check_lora_leaves, check_spec_structure, path_str
 from ._weight import LoraWeight, unchecked_replace
 
@@ -34,19 +35,14 @@ def _host_merger(sharding: Any) -> Any:
     # XLA adds nothing across memories: `w` comes to the device inside the program and
     # the merged weight goes back where `w` was, one weight at a time on the device.
     def merge(lw: LoraWeight) -> jax.Array:
-        w = jax.device_put(lw.w, sharding.with_memory_kind("device"))
+        w = on_device(lw.w)
         return _merge_impl(w, unchecked_replace(lw, w=w))
     return jax.jit(merge, out_shardings=sharding)
 
 
-def _memory_kind(x: Any) -> str | None:
-    sharding = getattr(x, "sharding", None)
-    return getattr(sharding, "memory_kind", None) if isinstance(sharding, jax.sharding.Sharding) else None
-
-
 def _merge(lw: LoraWeight, donate: bool, requantize: bool, where: str) -> Any:
     w = lw.w
-    on_host = any(_memory_kind(x) not in (None, "device") for x in jax.tree.leaves(w))
+    on_host = any(map(in_host_memory, jax.tree.leaves(w)))
     if on_host and _engine.is_value(w):
         raise ValueError(
             f"merge_params: the quantized weight at {where!r} is in host memory; put it on "

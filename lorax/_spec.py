@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 from jax.tree_util import DictKey, FlattenedIndexKey, GetAttrKey, SequenceKey
 
-from ._checks import check_bool
+from ._checks import check_bool, is_int
 
 LORA_FREEZE = 0
 """Spec value: keep this parameter frozen (no gradient, no optimizer state)."""
@@ -72,17 +72,13 @@ class LoraSpec:
         # The other fields are checked where the spec meets a weight (`init_lora`), so
         # the error can name the weight's key path.
         if self.m_axes is not None:
-            if not isinstance(self.m_axes, Sequence) or not all(map(_is_int, self.m_axes)):
+            if not isinstance(self.m_axes, Sequence) or not all(map(is_int, self.m_axes)):
                 raise ValueError(
                     f"LoraSpec.m_axes must be None or a tuple of ints, got {self.m_axes!r}.")
             object.__setattr__(self, "m_axes", tuple(int(i) for i in self.m_axes))
         if self.input_factor not in (None, "a", "b"):
             raise ValueError(
                 f"LoraSpec.input_factor must be 'a', 'b' or None, got {self.input_factor!r}.")
-
-
-def _is_int(x: Any) -> bool:
-    return isinstance(x, (int, jnp.integer)) and not isinstance(x, bool)
 
 
 SpecValue = Union[int, LoraSpec]
@@ -103,7 +99,7 @@ def as_lora_spec(value: Any) -> LoraSpec | None:
     """`LoraSpec` for a LoRA spec value, `None` for `LORA_FREEZE` / `LORA_FULL`."""
     if isinstance(value, LoraSpec):
         return value
-    if isinstance(value, (int, jnp.integer)) and not isinstance(value, bool) and value > 0:
+    if is_int(value) and value > 0:
         return LoraSpec(int(value))
     return None
 
@@ -263,8 +259,7 @@ def _spec_tree(params: Any, leaf_spec: Callable, is_leaf: Callable[[Any], bool] 
 def _is_spec_value(value: Any) -> bool:
     if isinstance(value, LoraSpec):
         return True
-    return (isinstance(value, (int, jnp.integer)) and not isinstance(value, bool)
-            and value >= LORA_FULL)
+    return is_int(value) and value >= LORA_FULL
 
 
 def _check_spec_values(spec_leaves: list, where: str) -> None:

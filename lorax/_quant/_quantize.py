@@ -8,10 +8,9 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from .. import _engine
-from .._checks import check_bool
+from .._checks import check_bool, is_int
 from .._spec import LORA_FREEZE, as_lora_spec, check_spec_structure, path_str, spec_axes
 from . import _formats as F
 from ._array import QuantizedArray, check_options, check_quantizable, check_scale_dtype
@@ -129,7 +128,7 @@ def quantize(
                         f"{type(qtype).__name__} (the spec goes second).")
     fmt = F.get_format(qtype, "quantize")
     double_quant = check_bool("quantize", "double_quant", double_quant)
-    if isinstance(min_size, bool) or not isinstance(min_size, (int, np.integer)):
+    if not is_int(min_size):
         raise TypeError(f"quantize: min_size must be an int, got {min_size!r}.")
     if fmt.quantize is None:  # otherwise every frozen leaf would quietly stay dense
         check_quantizable(fmt, (1, 1), jnp.float32, -2, None, False, "every weight")

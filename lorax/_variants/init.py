@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from jax import Array
 
 from .. import _engine
+from .._checks import is_int
 from .._spec import LoraSpec
 
 _METHODS = ("default", "gaussian", "pissa", "pissa_niter_<n>", "olora", "loftq")
@@ -62,10 +63,9 @@ class LoftQ:
         # Which formats exist is checked at init_lora, where the error can name the weight.
         if not isinstance(self.qtype, str):
             raise TypeError(f"LoftQ: qtype must be a string such as 'nf4', got {self.qtype!r}.")
-        if isinstance(self.iters, bool) or not isinstance(self.iters, int) or self.iters < 1:
+        if not is_int(self.iters) or self.iters < 1:
             raise ValueError(f"LoftQ: iters must be an int >= 1, got {self.iters!r}.")
-        if self.block_size is not None and (isinstance(self.block_size, bool) or not isinstance(
-                self.block_size, int) or self.block_size < 1):
+        if self.block_size is not None and (not is_int(self.block_size) or self.block_size < 1):
             raise ValueError(f"LoftQ: block_size must be a positive int (or None for the "
                              f"format's own), got {self.block_size!r}.")
 
@@ -79,9 +79,7 @@ class _Method:
 
 def parse(init: Any) -> _Method | None:
     """`None` for lorax's default initialisation, else the method."""
-    if isinstance(init, LoftQ):
-        if isinstance(init.iters, bool) or not isinstance(init.iters, int) or init.iters < 1:
-            raise ValueError(f"init_lora: LoftQ.iters must be an int >= 1, got {init.iters!r}.")
+    if isinstance(init, LoftQ):  # its fields are checked when it is built
         return _Method("loftq", loftq=init)
     if isinstance(init, str):
         if init == "default":
