@@ -18,7 +18,6 @@ The result's scale is 1 (`alpha = rank`), as PEFT's is.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Sequence
 from typing import Any, Literal
 
@@ -52,15 +51,17 @@ def _combine(where: str, lws: list[LoraWeight], weights: list[float], how: str,
              svd_rank: int | None) -> LoraWeight:
     lw0 = lws[0]
     nb = lw0.structure[0]
-    ws = [float(w) * lw.scale for w, lw in zip(weights, lws)]
+    # jnp, not math: a weight may be traced (mixing weights learned under jit or grad).
+    ws = [w * lw.scale for w, lw in zip(weights, lws)]
     mats = [_matrices(lw) for lw in lws]
     if how == "linear":
         ranks = {lw.rank for lw in lws}
         if len(ranks) > 1:
             raise ValueError(f"add_weighted_adapter: combination_type='linear' needs equal ranks; "
                              f"{where!r} has ranks {sorted(ranks)} (use 'cat' or 'svd').")
-        b = sum(math.sqrt(abs(w)) * bm for w, (bm, _) in zip(ws, mats))
-        a = sum(math.copysign(math.sqrt(abs(w)), w) * am for w, (_, am) in zip(ws, mats))
+        roots = [jnp.sqrt(jnp.abs(jnp.asarray(w, jnp.float32))) for w in ws]
+        b = sum(r * bm for r, (bm, _) in zip(roots, mats))
+        a = sum(jnp.sign(w) * r * am for w, r, (_, am) in zip(ws, roots, mats))
     else:
         b = jnp.concatenate([bm for bm, _ in mats], axis=-1)           # (*batch, M, R)
         a = jnp.concatenate([w * am for w, (_, am) in zip(ws, mats)], axis=-2)  # (*batch, R, N)
@@ -122,7 +123,8 @@ def add_weighted_adapter(
 
     - `adapters`: LoRA parameter trees over the same base (the same structure; equal
       frozen weights).
-    - `weights`: one number per adapter (negative weights subtract).
+    - `weights`: one number per adapter (negative weights subtract). They may be
+      traced: under `jax.jit`, or differentiated to learn how to mix the adapters.
     - `combination_type`: `"svd"` (default, as PEFT), `"cat"` or `"linear"`.
     - `svd_rank`: the rank of an `"svd"` combination (default: the largest input rank).
 

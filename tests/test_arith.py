@@ -130,3 +130,33 @@ def test_a_stack_is_not_one_adapter():
     with pytest.raises(ValueError, match=r"add_weighted_adapter: 'layers' in adapter 0 is a stack "
                                          r"of 2 adapters.*lorax\.unstack_adapters"):
         lorax.add_weighted_adapter([stack], [1.0], "cat")
+
+
+@pytest.mark.parametrize("how", ["cat", "linear", "svd"])
+def test_traced_weights_give_the_concrete_result(how):
+    """Weights passed through `jax.jit` combine as the same numbers given directly."""
+    params, adapters = _adapters()
+    ts = adapters if how != "linear" else [adapters[0], adapters[2]]
+    weights = [0.7, -0.4, 1.3][: len(ts)]
+    got = jax.jit(lambda w: lorax.add_weighted_adapter(ts, w, how))(jnp.asarray(weights))
+    want = lorax.add_weighted_adapter(ts, weights, how)
+    for name in ("layers", "proj"):
+        assert_close(_update(got, name, params), _update(want, name, params), rtol=1e-4, atol=1e-5)
+
+
+def test_mixing_weights_are_learnable():
+    """d/dw of a loss of the "cat" combination is that of Σ w_i update_i, computed densely."""
+    params, adapters = _adapters()
+    x = jax.random.normal(jax.random.PRNGKey(5), (2, 3, 24))
+
+    def loss(w):
+        combined = lorax.add_weighted_adapter(adapters, w, "cat")
+        return jnp.sum(jnp.tanh(jnp.einsum("lbm,lmn->lbn", x, combined["layers"].materialize())))
+
+    def dense(w):
+        update = sum(wi * (t["layers"].materialize() - params["layers"]) for wi, t in zip(w, adapters))
+        return jnp.sum(jnp.tanh(jnp.einsum("lbm,lmn->lbn", x, params["layers"] + update)))
+
+    w = jnp.array([0.7, -0.4, 1.3])
+    assert_close(jax.grad(loss)(w), jax.grad(dense)(w), rtol=1e-4, atol=1e-5)
+    assert np.all(np.abs(np.asarray(jax.grad(loss)(w))) > 1e-3)  # a gradient that can fail

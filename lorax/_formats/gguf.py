@@ -23,6 +23,7 @@ import re
 from typing import Any, Literal
 
 import jax
+import ml_dtypes
 import numpy as np
 
 from .._files import read_gguf_header
@@ -31,9 +32,9 @@ from ._export import Module, check_dtype, export_modules
 # Architectures whose q/k rows llama.cpp's converter reorders (LlamaModel.permute).
 _QK_PERMUTED = ("llama",)
 _QK = re.compile(r"^blk\.\d+\.attn_(q|k)\.weight$")
-# The adapter tensors' dtypes: llama.cpp's converter writes F32 and F16 (and BF16, which
-# gguf's writer does not take from NumPy arrays; integer types would truncate the factors).
-_DTYPES = ("float32", "float16")
+# The adapter tensors' dtypes, those llama.cpp's converter writes (integer types would
+# truncate the factors).
+_DTYPES = ("float32", "float16", "bfloat16")
 
 
 def _gguf() -> Any:
@@ -92,7 +93,8 @@ def save_gguf_lora(
     - `module_name`: key path -> module or tensor name, as in [`lorax.save_peft`][].
     - `layout`: which side of each weight is the input, as in [`lorax.save_peft`][].
     - `qk_rows`: `'hf'` or `'gguf'`, see above.
-    - `dtype`: the adapter tensors' dtype, `np.float32` or `np.float16`.
+    - `dtype`: the adapter tensors' dtype: `np.float32` (default), `np.float16` or
+      `jnp.bfloat16` (`"bfloat16"`), each rounded to nearest from float32.
 
     **Returns:**
 
@@ -101,7 +103,7 @@ def save_gguf_lora(
     **Raises:**
 
     `ValueError` when `path` is `base` (the model is not overwritten) or `dtype` is not
-    one of the two above; naming the module when it maps to no tensor of `base`, its factors
+    one of the three above; naming the module when it maps to no tensor of `base`, its factors
     do not fit that tensor, or `qk_rows` is needed and missing; naming the key path of
     a [`lorax.DoraWeight`][] (llama.cpp has no DoRA); naming `base` and the field when
     its header cannot be read (as [`lorax.load_gguf`][]) or its block or head count does
@@ -270,7 +272,11 @@ def _write(gguf: Any, path: str | os.PathLike, arch: str, alpha: float,
     writer.add_string("adapter.type", "lora")
     writer.add_float32("adapter.lora.alpha", float(alpha))
     for name, arr in tensors.items():
-        writer.add_tensor(name, arr)
+        if arr.dtype == ml_dtypes.bfloat16:  # gguf's writer takes BF16 as its raw bits
+            writer.add_tensor(name, arr.view(np.uint16),
+                              raw_dtype=gguf.GGMLQuantizationType.BF16)
+        else:
+            writer.add_tensor(name, arr)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

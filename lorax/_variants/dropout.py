@@ -28,6 +28,21 @@ class LoraDropout(_engine.ArrayValue):
     key: Array
     rate: float = eqx.field(static=True)
 
+    def __check_init__(self) -> None:
+        # Runs where the value is built, not when JAX rebuilds it from its leaves.
+        if not isinstance(self.weight, LoraWeight):
+            raise TypeError(f"LoraDropout: weight must be a LoraWeight or DoraWeight, got "
+                            f"{type(self.weight).__name__}.")
+        _check_rate("LoraDropout", self.rate)
+        batch = tuple(self.weight.w.shape[: self.weight.structure[0]])
+        key = self.key
+        if not (isinstance(key, jax.Array) and jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
+                and key.shape == batch):
+            raise ValueError(
+                f"LoraDropout: key must be typed jax.random keys of shape {batch} (one per "
+                f"slice of the weight's batch axes), got {type(key).__name__} of shape "
+                f"{getattr(key, 'shape', None)} and dtype {getattr(key, 'dtype', None)}.")
+
     def aval(self) -> jax.core.ShapedArray:
         return self.weight.aval()
 
@@ -40,6 +55,12 @@ class LoraDropout(_engine.ArrayValue):
     @staticmethod
     def default(primitive: Any, values: Any, params: dict[str, Any]) -> Any:
         return _engine.materialize_fallback(primitive, values, params)
+
+
+def _check_rate(where: str, rate: Any) -> None:
+    if isinstance(rate, (bool, np.bool_)) or not isinstance(
+            rate, (int, float, np.integer, np.floating)) or not 0.0 <= rate < 1.0:
+        raise ValueError(f"{where}: rate must be a number in [0, 1), got {rate!r}.")
 
 
 def dropout(lora_params: Any, key: jax.Array | None, rate: float) -> Any:
@@ -91,9 +112,7 @@ def dropout(lora_params: Any, key: jax.Array | None, rate: float) -> Any:
         grads = jax.grad(loss)(params, jnp.ones((3, 8)), jax.random.PRNGKey(1))
         ```
     """
-    if isinstance(rate, (bool, np.bool_)) or not isinstance(
-            rate, (int, float, np.integer, np.floating)) or not 0.0 <= rate < 1.0:
-        raise ValueError(f"lorax.dropout: rate must be a number in [0, 1), got {rate!r}.")
+    _check_rate("lorax.dropout", rate)
     if key is None or rate == 0.0:
         return lora_params
     key = jnp.asarray(key) if not isinstance(key, jax.Array) else key

@@ -170,3 +170,24 @@ def test_negative_controls_fail_the_tolerance(setup, measured, control):
     gap = serve.agreement(measured["ours"], _llamacpp(setup, path))
     print(f"{control}: {gap}")
     assert gap["mean_abs_dlogprob"] > 30 * measured["tol"], control
+
+
+@pytest.mark.slow  # a llama.cpp run of its own
+def test_bfloat16_adapter_agrees_with_lorax_on_the_rounded_factors(setup, measured):
+    """llama.cpp reads a BF16 adapter (`dtype=jnp.bfloat16`) as lorax computes with the
+    same factors rounded to bfloat16. Its CPU products with a BF16 tensor round the
+    activations to bfloat16 too, so the bound is not the float32 file's: measured 0.0126
+    mean |Δ log-prob| against an adapter shift of 1.30 (1%).
+    A misread tensor (A and B swapped, a wrong scale, unpermuted q/k rows: the controls
+    above) moves it by the order of the shift itself."""
+    serve = setup["serve"]
+    path = _export(setup, setup["lp"], "bf16", dtype=jnp.bfloat16)
+    rounded = _map(setup["lp"], lambda x: dataclasses.replace(
+        x, a=x.a.astype(jnp.bfloat16).astype(x.a.dtype), b=x.b.astype(jnp.bfloat16).astype(x.b.dtype)))
+    ours = serve.lorax_logprobs(setup["cfg"], rounded, setup["windows"], setup["positions"])
+    cpp = _llamacpp(setup, path)
+    gap, shift = serve.agreement(ours, cpp), serve.shift(measured["cpp_base"], cpp)
+    print(f"bf16 adapter: gap {gap}, shift {shift:.4f}")
+    assert shift > 100 * measured["tol"]
+    assert gap["mean_abs_dlogprob"] < 0.03 * shift
+    assert gap["top1_agreement"] == 1.0

@@ -8,6 +8,8 @@ with lorax's own. tests/examples/test_llamacpp.py runs llama.cpp itself.
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -183,15 +185,38 @@ def test_writing_over_the_base_model_is_refused(tmp_path, base):
     assert base.read_bytes() == full
 
 
-@pytest.mark.parametrize("dtype", [np.int8, np.int32, "bfloat16", np.float64, None, "banana"])
+@pytest.mark.parametrize("dtype", [np.int8, np.int32, np.float64, None, "banana"])
 def test_dtype_must_be_one_llama_cpp_reads(tmp_path, base, dtype):
-    """An integer dtype truncated the factors (I8 tensors of 0 and ±1), bfloat16 failed
-    inside gguf's writer: each is named, with the dtypes that work, before writing."""
+    """An integer dtype truncated the factors (I8 tensors of 0 and ±1): each is named,
+    with the dtypes that work, before writing."""
     out = tmp_path / "adapter.gguf"
-    with pytest.raises(ValueError, match=r"save_gguf_lora: dtype must be one of float32, float16"):
+    with pytest.raises(ValueError, match=r"save_gguf_lora: dtype must be one of float32, float16, bfloat16"):
         lorax.save_gguf_lora(out, _lora(), base, module_name=NAMES, layout=LAYOUT, qk_rows="hf",
                              dtype=dtype)
     assert not out.exists()
     lorax.save_gguf_lora(out, _lora(), base, module_name=NAMES, layout=LAYOUT, qk_rows="hf",
                          dtype=np.float16)
     assert {t.dtype for t in _read(out)[1].values()} == {np.dtype(np.float16)}
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", jnp.bfloat16, ml_dtypes.bfloat16])
+def test_bfloat16_tensors_are_the_float32_ones_rounded(tmp_path, base, dtype):
+    """BF16, as llama.cpp's converter writes with `--outtype bf16`: GGML type BF16 in the
+    file, and each value the float32 export's rounded to nearest."""
+    lp = _lora()
+    f32, bf16 = tmp_path / "f32.gguf", tmp_path / "bf16.gguf"
+    kw = dict(module_name=NAMES, layout=LAYOUT, qk_rows="hf")
+    lorax.save_gguf_lora(f32, lp, base, **kw)
+    lorax.save_gguf_lora(bf16, lp, base, dtype=dtype, **kw)
+    reader = gguf.GGUFReader(str(bf16))
+    assert {t.tensor_type for t in reader.tensors} == {gguf.GGMLQuantizationType.BF16}
+    want = _read(f32)[1]
+    got, meta = lorax.load_gguf(bf16)
+    assert meta["adapter.lora.alpha"] == 8.0 and set(got) == set(want)
+    for name, x in want.items():
+        assert got[name].dtype == ml_dtypes.bfloat16 and got[name].shape == x.shape, name
+        np.testing.assert_array_equal(got[name].view(np.uint16),
+                                      x.astype(ml_dtypes.bfloat16).view(np.uint16), err_msg=name)
+    got32 = {name: x.astype(np.float32) for name, x in got.items()}
+    assert_close(_llamacpp_delta(got32, "blk.1.attn_k.weight", 8.0),
+                 _llamacpp_delta(want, "blk.1.attn_k.weight", 8.0), rtol=2e-2, atol=2e-2)

@@ -177,3 +177,26 @@ def test_bad_key():
     raw = f(lorax.dropout(lp, jax.random.PRNGKey(3), RATE), x)
     typed = f(lorax.dropout(lp, jax.random.wrap_key_data(jax.random.PRNGKey(3)), RATE), x)
     np.testing.assert_array_equal(raw, typed)
+
+
+def test_the_constructor_checks_what_dropout_checks():
+    """`lorax.LoraDropout` is public: built by hand, a bad rate, weight or key is named
+    where it is built, not met as a wrong mask (or a shape error) inside the model."""
+    lw = _lora_params((4, 4), 2)["w"]
+    key = jax.random.key(0)
+    for rate in (1.0, -0.5, "0.1", True):
+        with pytest.raises(ValueError, match=r"LoraDropout: rate must be a number in \[0, 1\)"):
+            lorax.LoraDropout(lw, key, rate)
+    with pytest.raises(TypeError, match="LoraDropout: weight must be a LoraWeight"):
+        lorax.LoraDropout(jnp.ones((4, 4)), key, RATE)
+    for bad in (jax.random.PRNGKey(0), jax.random.split(key, 2)):
+        with pytest.raises(ValueError, match=r"LoraDropout: key must be typed jax.random keys of shape \(\)"):
+            lorax.LoraDropout(lw, bad, RATE)
+    stacked = _lora_params((3, 4, 4), lorax.LoraSpec(2, batch_ndim=1))["w"]
+    with pytest.raises(ValueError, match=r"key must be typed jax.random keys of shape \(3,\)"):
+        lorax.LoraDropout(stacked, key, RATE)
+    lorax.LoraDropout(stacked, jax.random.split(key, 3), RATE)
+    x = jnp.ones((2, 4))
+    f = lorax.lora(lambda p, x: x @ p["w"])
+    by_hand = f({"w": lorax.LoraDropout(lw, jax.random.fold_in(key, 0), RATE)}, x)
+    np.testing.assert_array_equal(by_hand, f(lorax.dropout({"w": lw}, key, RATE), x))
