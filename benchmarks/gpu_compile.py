@@ -115,12 +115,14 @@ device_description_str: "{t['description']}"
 """
 
 
-def gpu_devices(target: str, memory_gib: float | None = None) -> list[Any]:
-    """One compile-only device of `target` (no GPU needed; the CUDA plugin is)."""
+def gpu_devices(target: str, memory_gib: float | None = None, count: int = 1) -> list[Any]:
+    """`count` compile-only devices of `target` on one host, NVLink-connected as in one
+    HGX machine (no GPU needed; the CUDA plugin is)."""
     from jax.experimental import topologies
     try:
         topology = topologies.get_topology_desc(
-            platform="cuda", topology="1x1x1", target_config=target_config(target, memory_gib))
+            platform="cuda", topology=f"1x1x{count}",
+            target_config=target_config(target, memory_gib))
     except Exception as e:  # (no plugin: "Unknown backend", or NotImplementedError)
         raise RuntimeError("compiling for a GPU needs JAX's CUDA plugin "
                            "(bash scripts/bootstrap.sh -E cuda13)") from e

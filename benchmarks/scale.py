@@ -34,11 +34,18 @@ into one float32 copy of the whole stack).
     python -m benchmarks.scale [--quick] [--models llama-3.2-1b,llama-3-8b,llama-3-70b]
                                [--methods full,lora,qlora-nf4,qlora-int8] [--out DIR]
                                [--layouts 1,fsdp,fsdp-batch,tp,fsdp-tp] [--name scale]
+                               [--target h100|h200]
 
 `--layouts tp,fsdp-tp` compiles Megatron's tensor-parallel layout over the 8 devices (q,
 k, v, gate, up split along their outputs, o and down along their inputs; activations
 whole on every device) and the same with FSDP on the other weight axis over a 2 x 4
 (`fsdp`, `tp`) mesh, a window per `fsdp` group.
+
+`--target h100` (or `h200`) compiles the same steps with XLA's GPU compiler for one and
+for 8 such cards on one host (`benchmarks.gpu_compile`: deviceless, JAX's CUDA plugin
+needed, no GPU), with cuDNN's fused attention: bf16 stays bf16, so these are the figures
+a card's compile gives (within 1.2% of an H200's own compile, `docs/gpu.md`). Written as
+`<name>_<target>` beside the CPU's table.
 """
 
 from __future__ import annotations
@@ -273,12 +280,14 @@ def tp_placed(tree: Any, mesh: Mesh) -> Any:
 
 
 def compile_step(cfg: Any, method: str, dtype: Any, mesh: Mesh | None, seq: int,
-                 per_device: bool = False, layers: str = "scan") -> Any:
+                 per_device: bool = False, layers: str = "scan",
+                 platforms: tuple[str, ...] | None = None) -> Any:
     """The jitted Adam step on abstract parameters, compiled. `per_device`: a window per
     device (FSDP's usual batch, split along the batch); else one window, whatever the
     mesh (the single-device job spread over the devices, split along its tokens). A mesh
     with a `tp` axis: Megatron's layout (`tp_placed`), the activations whole along `tp`
-    and a window per `fsdp` group. `layers`: one of `LAYER_LOOPS`."""
+    and a window per `fsdp` group. `layers`: one of `LAYER_LOOPS`. `platforms`: lower for
+    these (`("cuda",)` for a mesh of compile-only GPUs) instead of the default backend."""
     params, spec = build(cfg, method, dtype, layers)
     tp = mesh is not None and "tp" in mesh.axis_names
     trainable, frozen = lorax.partition(tp_placed(params, mesh) if tp else placed(params, mesh), spec)
@@ -305,7 +314,8 @@ def compile_step(cfg: Any, method: str, dtype: Any, mesh: Mesh | None, seq: int,
 
     jitted = jax.jit(step, donate_argnums=(0, 2))
     with _activations_pinned(mesh, per_device):
-        compiled = jitted.lower(trainable, frozen, state, windows).compile()
+        traced = jitted.trace(trainable, frozen, state, windows)
+        compiled = traced.lower(lowering_platforms=platforms).compile()
     return compiled, _whole_bytes((trainable, frozen, state, windows))
 
 
@@ -369,16 +379,33 @@ def collective_bytes(text: str) -> dict[str, int]:
         if head and not line.startswith(" "):
             current = head.group(1)
         for kind in KINDS:
-            m = re.search(r"= (\(?[^=]*?) %s(?:-start)?\(" % kind, line)
+            m = re.search(r"= (\(?[^=]*?) %s(-start)?\(" % kind, line)
             if m:
-                n = C.hlo_bytes(re.findall(r"(\w+)\[([\d,]*)\]", m.group(1)))
+                moved = _started_results(m.group(1)) if m.group(2) else m.group(1)
+                n = C.hlo_bytes(re.findall(r"(\w+)\[([\d,]*)\]", moved))
                 out[kind] += n * times.get(current, 1)
     return out
 
 
+def _started_results(shape: str) -> str:
+    """The results of an asynchronous collective's `-start` (XLA:GPU's): its shape is
+    `((operands...), results...)`, and only the results are what the collective makes."""
+    if not shape.startswith("(("):
+        return shape
+    depth, parts, start = 0, [], 1
+    for i, ch in enumerate(shape[1:-1], 1):
+        depth += ch in "([{"
+        depth -= ch in ")]}"
+        if ch == "," and depth == 0:
+            parts.append(shape[start:i])
+            start = i + 1
+    parts.append(shape[start:-1])
+    return ",".join(parts[1:])
+
+
 def layout_name(mesh: Mesh | None) -> str:
     """`1 device`, `FSDP x8`, `TP x8`, `FSDP 2 x TP 4`."""
-    if mesh is None:
+    if mesh is None or mesh.size == 1:
         return "1 device"
     if len(mesh.shape) == 1:
         ((axis, n),) = mesh.shape.items()
@@ -387,11 +414,18 @@ def layout_name(mesh: Mesh | None) -> str:
 
 
 def measure(name: str, method: str, dtype_name: str, mesh: Mesh | None,
-            per_device: bool = False) -> dict:
-    cfg, seq = config(name), MODELS[name][-1]
+            per_device: bool = False, target: str | None = None) -> dict:
+    """One cell; `target`: `mesh` is of compile-only GPUs of that kind (`layouts`), and
+    attention is cuDNN's, but where one window's tokens are split over the devices:
+    cuDNN's partitioner refuses a split sequence, so the query-chunked XLA attention."""
+    tokens_split = mesh is not None and mesh.size > 1 and not per_device \
+        and "tp" not in mesh.axis_names
+    cfg = config(name, attention=("chunked" if tokens_split else "cudnn") if target else "auto")
+    seq = MODELS[name][-1]
     dtype = jnp.bfloat16 if dtype_name == "bf16" else jnp.float32
     t0 = time.perf_counter()
-    compiled, whole = compile_step(cfg, method, dtype, mesh, seq, per_device)
+    compiled, whole = compile_step(cfg, method, dtype, mesh, seq, per_device,
+                                   platforms=("cuda",) if target else None)
     m = compiled.memory_analysis()
     devices = 1 if mesh is None else mesh.size
     windows = dict(mesh.shape).get("fsdp", 1) if mesh is not None and "tp" in mesh.axis_names \
@@ -402,7 +436,7 @@ def measure(name: str, method: str, dtype_name: str, mesh: Mesh | None,
                peak_gib=(m.argument_size_in_bytes + m.temp_size_in_bytes
                          + m.output_size_in_bytes - m.alias_size_in_bytes) / GiB,
                whole_gib=whole / GiB, compile_s=time.perf_counter() - t0)
-    if mesh is not None:
+    if mesh is not None and mesh.size > 1:
         for kind, n in collective_bytes(compiled.as_text()).items():
             row[f"{kind}_gib"] = n / GiB
     return row
@@ -459,10 +493,16 @@ def plot(rows: list[dict], path: Path) -> None:
 LAYOUTS = ("1", "fsdp", "fsdp-batch", "tp", "fsdp-tp")
 
 
-def layouts(names: str) -> list[tuple[Mesh | None, bool]]:
+def layouts(names: str, target: str | None = None) -> list[tuple[Mesh | None, bool]]:
     """(mesh, a window per device) for each named layout (`LAYOUTS`); the multi-device
-    ones need 8 devices and are left out with fewer."""
-    devices = jax.devices()[:8]
+    ones need 8 devices and are left out with fewer. `target`: over 8 compile-only GPUs
+    of that kind (one device: a mesh of the first)."""
+    if target:
+        from .gpu_compile import gpu_devices
+        devices = gpu_devices(target, count=8)
+        one = Mesh(np.array(devices[:1]), ("fsdp",))
+    else:
+        devices, one = jax.devices()[:8], None
     meshes = {} if len(devices) < 8 else {
         "fsdp": (Mesh(np.array(devices), ("fsdp",)), False),
         "fsdp-batch": (Mesh(np.array(devices), ("fsdp",)), True),
@@ -470,7 +510,7 @@ def layouts(names: str) -> list[tuple[Mesh | None, bool]]:
         "fsdp-tp": (Mesh(np.array(devices).reshape(2, 4), ("fsdp", "tp")), False)}
     if not meshes:
         print("[scale] fewer than 8 devices: single-device cells only", flush=True)
-    return [(None, False) if n == "1" else meshes[n] for n in names.split(",")
+    return [(one, False) if n == "1" else meshes[n] for n in names.split(",")
             if n == "1" or n in meshes]
 
 
@@ -482,8 +522,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--layouts", default="1,fsdp,fsdp-batch",
                         help=f"comma-separated subset of {','.join(LAYOUTS)}")
     parser.add_argument("--name", default="scale", help="the results' file name")
+    parser.add_argument("--target", default=None, choices=("h100", "h200"),
+                        help="compile for this GPU, deviceless (one and 8 of them)")
     args = parser.parse_args(argv)
     out = C.out_dir(args.out)
+    if args.target:
+        args.name = f"{args.name}_{args.target}"
     draw = plot if args.name == "scale" else None  # the plot reads the default layouts
     if args.plot_only:
         C.replot(out, args.name, plot)
@@ -493,16 +537,24 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for name in models:
         for method in args.methods.split(","):
             for dtype_name in args.dtypes.split(","):
-                for m, per_device in layouts(args.layouts):
-                    if name == "llama-3-70b" and method == "full" and m is None:
+                for m, per_device in layouts(args.layouts, args.target):
+                    if name == "llama-3-70b" and method == "full" and layout_name(m) == "1 device":
                         continue  # 70B full FT on one device: ~1.1 TiB, nothing to learn
-                    row = measure(name, method, dtype_name, m, per_device)
+                    row = measure(name, method, dtype_name, m, per_device, args.target)
                     rows.append(row)
                     print(f"[scale] {name} {method} {dtype_name} {row['layout']} "
                           f"{row['batch']}: "
                           f"args {row['args_gib']:.2f} + temps {row['temps_gib']:.2f} GiB "
                           f"({row['compile_s']:.0f} s)", flush=True)
-    C.write_results(out, args.name, rows, [markdown(rows)], plot=draw)
+    md = [markdown(rows)]
+    if args.target:
+        from .gpu_compile import TARGETS
+        counts = sorted({r["devices"] for r in rows})
+        how_many = " and for ".join("one" if n == 1 else str(n) for n in counts)
+        md.append(f"Compiled for {how_many} {TARGETS[args.target]['description']} (on one host) "
+                  f"by jax {jax.__version__}'s CUDA plugin, deviceless: XLA's plan for the "
+                  "card, not a run.")
+    C.write_results(out, args.name, rows, md, plot=draw)
     return rows
 
 

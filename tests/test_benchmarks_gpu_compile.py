@@ -205,3 +205,37 @@ def test_int4_stacks_are_not_laid_out_again_for_the_backward_product(monkeypatch
     relaid = G.measure("h200", "tiny:qlora-s4-bf16:relayout")
     assert kept["dense_writes"] == relaid["dense_writes"] == 0
     assert (relaid["device_temps_gib"] - kept["device_temps_gib"]) * G.GiB >= stack
+
+
+# Collectives as XLA:GPU prints them, asynchronous: a `-start` has the shape
+# `((operands), results)`; as XLA:CPU prints them, one instruction with its result.
+_GPU_COLLECTIVES = """\
+ENTRY %main {
+  %ag = ((bf16[2048,1024]{0,1}), bf16[2048,8192]{0,1}) all-gather-start(%p), dimensions={1}
+  %agd = bf16[2048,8192]{0,1} all-gather-done(%ag)
+  %two = ((s32[1,2048]{1,0}, s32[1,2048]{1,0}), (s32[8,2048]{1,0}, s32[8,2048]{1,0})) all-gather-start(%a, %b)
+  %ar = ((f32[]), f32[]) all-reduce-start(%l), to_apply=%add
+  %ard = f32[] all-reduce-done(%ar)
+  %cpu = f32[64,128]{1,0} all-gather(%q), dimensions={0}
+  %rs = f32[8,128]{1,0} reduce-scatter(%r), dimensions={0}
+}
+"""
+
+
+def test_collective_bytes_count_what_an_async_start_makes_not_its_operands():
+    got = S.collective_bytes(_GPU_COLLECTIVES)
+    assert got["all-gather"] == 2048 * 8192 * 2 + 2 * 8 * 2048 * 4 + 64 * 128 * 4
+    assert got["all-reduce"] == 4 and got["reduce-scatter"] == 8 * 128 * 4
+
+
+@needs_plugin
+def test_scale_compiles_for_one_and_for_eight_gpus(tmp_path):
+    rows = S.main(["--quick", "--target", "h100", "--methods", "qlora-nf4", "--dtypes", "bf16",
+                   "--layouts", "1,fsdp-batch", "--out", str(tmp_path)])
+    one, fsdp = rows
+    assert (one["layout"], fsdp["layout"], fsdp["batch"]) == ("1 device", "FSDP x8", "8x64")
+    assert fsdp["args_gib"] < one["args_gib"] / 4  # codes, factors and moments split 8 ways
+    assert fsdp["all-gather_gib"] > 0 and "all-gather_gib" not in one
+    md = (tmp_path / "scale_h100.md").read_text()
+    assert "Compiled for one and for 8 NVIDIA H100 80GB HBM3 (on one host)" in md
+    assert not (tmp_path / "scale.md").exists()  # the CPU's table is left alone
