@@ -49,7 +49,7 @@ def mlp(p, x):
     return jax.lax.scan(jax.checkpoint(body), x, p)[0]
 
 
-def _lora_params(layout, qtype, devices=None):
+def _lora_params(layout, qtype, devices=None, block_size=None):
     k1, k2, k3 = jax.random.split(jax.random.PRNGKey(0), 3)
     params = {"up": jax.random.normal(k1, (L, D, H)) / 22,
               "down": jax.random.normal(k2, (L, H, D)) / 32}
@@ -58,7 +58,8 @@ def _lora_params(layout, qtype, devices=None):
         params = {k: jax.device_put(v, NamedSharding(mesh, s))
                   for (k, v), s in zip(params.items(), layout[1:3])}
     if qtype != "dense":  # "nf4-dq": QLoRA's double-quantized absmax values
-        params = lorax.quantize(params, SPEC, qtype.split("-")[0], double_quant=qtype == "nf4-dq")
+        params = lorax.quantize(params, SPEC, qtype.split("-")[0], double_quant=qtype == "nf4-dq",
+                                block_size=block_size)
     lp = lorax.init_lora(params, SPEC, jax.random.PRNGKey(1))
     # Non-zero `b` (on `b`'s own layout), so the factor path shows in values and in
     # `a`'s gradient.
@@ -163,6 +164,24 @@ def test_tensor_parallel_values_and_gradients_equal_one_devices(layout, qtype):
     loss, grads = jax.jit(jax.value_and_grad(_loss))(trainable, frozen, _x(layout))
     one = lorax.partition(jax.device_put(_lora_params(None, qtype), jax.devices()[0]), SPEC)
     loss1, grads1 = jax.jit(jax.value_and_grad(_loss))(*one, _x(None))
+    assert_close(loss, loss1, rtol=2e-5)
+    for g, g1 in zip(jax.tree.leaves(grads), jax.tree.leaves(grads1)):
+        assert_close(g, g1, rtol=2e-5, atol=1e-7)
+
+
+def test_int8_columns_cut_by_tp_suggest_a_block_size_that_works():
+    """int8's default block is a whole column: row-parallel `down` (its input axis split
+    8 ways) would cut it. The error names the block sizes that fit, and with one the
+    tensor-parallel step equals one device's."""
+    down = jax.device_put(jnp.ones((L, H, D)), NamedSharding(_mesh(TP[0]), TP[2]))
+    with pytest.raises(ValueError, match=r"quantize: 'down': .*\(axis -2, 1 blocks of 1024\) "
+                       r"8 ways.*or quantize with a block_size that divides 128\."):
+        lorax.quantize({"down": down}, {"down": SPEC["down"]}, "int8")
+    trainable, frozen = lorax.partition(_lora_params(TP, "int8", block_size=128), SPEC)
+    assert frozen["down"].w.block_size == 128
+    loss, grads = jax.jit(jax.value_and_grad(_loss))(trainable, frozen, _x(TP))
+    one = _lora_params(None, "int8", block_size=128)
+    loss1, grads1 = jax.jit(jax.value_and_grad(_loss))(*lorax.partition(one, SPEC), _x(None))
     assert_close(loss, loss1, rtol=2e-5)
     for g, g1 in zip(jax.tree.leaves(grads), jax.tree.leaves(grads1)):
         assert_close(g, g1, rtol=2e-5, atol=1e-7)

@@ -228,11 +228,14 @@ class QuantizedArray(_engine.ArrayValue, metaclass=_engine.FastPytreeMeta):
         n_blocks = self.storage_shape[-1] // self.block_size
         ways = math.prod(sharding.mesh.shape[a] for a in _spec_axes(tuple(specs[0])[-2]))
         if n_blocks % ways:
+            length = n_blocks * self.block_size
+            smaller = ("" if self.format.fixed_block or length % ways else
+                       f", or quantize with a block_size that divides {length // ways}")
             raise ValueError(
                 f"{where}the sharding {sharding.spec} splits the block axis (axis "
                 f"{self.axis}, {n_blocks} blocks of {self.block_size}) {ways} ways, which "
-                "does not divide the blocks: shard another axis, or choose a mesh whose "
-                "size divides the number of blocks.")
+                "does not divide the blocks: shard another axis, choose a mesh whose "
+                f"size divides the number of blocks{smaller}.")
         return self.with_leaves([
             None if leaf is None else _place(leaf, NamedSharding(sharding.mesh, spec))
             for leaf, spec in zip(self.leaves(), specs)])
