@@ -25,6 +25,14 @@ if keras.backend.backend() != "jax":
     pytest.skip("Keras runs another backend in this process", allow_module_level=True)
 
 
+@pytest.fixture(autouse=True)
+def _seeded():
+    """Keras draws each model's initial weights from a process-wide seed that is random
+    unless set: unseeded, 1 fresh process in 12 drew a mixed-bfloat16 model whose loss did
+    not fall in three steps. Every test here builds the same model in every run."""
+    keras.utils.set_random_seed(0)
+
+
 def keras_apply(model, training=False):
     """`(apply, params)`: a pure function of the trainable variables, by path."""
     trainable, others = model.trainable_variables, [v.value for v in model.non_trainable_variables]
