@@ -116,8 +116,8 @@ device_description_str: "{t['description']}"
 
 
 def gpu_devices(target: str, memory_gib: float | None = None, count: int = 1) -> list[Any]:
-    """`count` compile-only devices of `target` on one host, NVLink-connected as in one
-    HGX machine (no GPU needed; the CUDA plugin is)."""
+    """`count` compile-only devices of `target` on one host (no GPU needed; the CUDA
+    plugin is)."""
     from jax.experimental import topologies
     try:
         topology = topologies.get_topology_desc(
