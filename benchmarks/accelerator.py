@@ -22,7 +22,9 @@ random codes and small positive scales: nothing dense is made first). A cell is
 - ATTENTION: `llama.Config.attention` (`auto`: cuDNN's fused attention on a GPU);
 - LAYERS (optional): `scan` (the default: stacked layers under `lax.scan`) or `unrolled`
   (a list of per-layer weights, the loop unrolled: no per-layer slice copied out of a
-  stack; `llama.hidden_states`).
+  stack; `llama.hidden_states`);
+- `@NAME` (optional, last): XLA flags of `CELL_XLA_FLAGS` added for that cell, e.g.
+  `llama-3-8b:lora:1:layer:auto@cublas` (every product through cuBLAS).
 
 `peft:MODEL:BATCH:COMPILE:CHECKPOINTING` (e.g. `peft:llama-3-8b:1:compiled:off`) is the same
 step in PyTorch + PEFT (`benchmarks/_peft.py`; needs torch, transformers and peft).
@@ -110,16 +112,29 @@ PENDING_CELLS = (
     "llama-3-8b:qlora-nf4:1:dots:auto:unrolled", "llama-3-8b:qlora-nf4:1:dots:auto",
     "llama-3-8b:qlora-nf4+host:1:offload:auto", "llama-3-8b:qlora-nf4+host:1:layer:auto",
     "llama-3-8b:qlora-nf4:1:layer:auto",
+    # The scanned step with every product through cuBLAS, which reads the layer's weights
+    # in place: compiled, remat `layer` copies 26 GiB less a step; remat `dots` too, but
+    # XLA then computes the saved products twice (`benchmarks.gpu_compile`, docs/gpu.md)
+    "llama-3-8b:lora:1:layer:auto@cublas", "llama-3-8b:lora:1:layer:auto",
+    "llama-3-8b:lora:1:dots:auto@cublas",
 )
 # Each method family, remat choice and attention path at least once (CI's smoke run).
 QUICK_CELLS = ("tiny:lora:1:layer:auto", "tiny:qlora-nf4:1:none:auto", "tiny:hand:1:dots:auto",
                "tiny:qlora-s4-bf16:1:layer:auto",
                "tiny:full:1:layer:xla", "tiny:qlora-nf4+host:1:none:auto",
                "tiny:lora:1:none:auto:unrolled", "tiny:hand:1:none:auto:unrolled",
-               "peft:tiny:1:eager:off")
+               "tiny:lora:1:layer:auto@cublas", "peft:tiny:1:eager:off")
 
 
 LAYER_LOOPS = ("scan", "unrolled")  # `benchmarks.scale.LAYER_LOOPS`, without importing JAX here
+# XLA flags a cell adds by name (`CELL@NAME`), after the run's own `XLA_FLAGS`, in its
+# process: what the flags do to a step, measured beside the same cell without them.
+CELL_XLA_FLAGS = {
+    # Every product through cuBLAS, none as a Triton GEMM fusion: XLA's dynamic-slice fusion
+    # then reads each layer's slice of a stacked weight in place, where a Triton GEMM reads
+    # a copy (`benchmarks.gpu_compile`, cell flags `cublas`; docs/gpu.md).
+    "cublas": "--xla_gpu_enable_triton_gemm=false",
+}
 
 
 class Cell(NamedTuple):
@@ -129,21 +144,27 @@ class Cell(NamedTuple):
     remat: str
     attention: str
     layers: str = "scan"
+    xla: str = ""  # a name in `CELL_XLA_FLAGS`, or none
 
     @classmethod
     def parse(cls, text: str) -> "Cell":
-        parts = text.split(":")
+        spec, _, xla = text.partition("@")
+        parts = spec.split(":")
         base = parts[1].removesuffix("+host") if len(parts) in (5, 6) else ""
         host_ok = base == parts[1] or base.startswith(("lora", "qlora"))
         if (len(parts) not in (5, 6) or base not in METHODS or not host_ok
                 or parts[5:] not in ([], *([x] for x in LAYER_LOOPS))):
             raise ValueError(f"cell {text!r}: expected MODEL:METHOD:BATCH:REMAT:ATTENTION"
-                             f"[:LAYERS] with METHOD one of {METHODS} (`+host` after a lora "
-                             f"or qlora one) and LAYERS one of {LAYER_LOOPS}")
-        return cls(parts[0], parts[1], int(parts[2]), *parts[3:])
+                             f"[:LAYERS][@FLAGS] with METHOD one of {METHODS} (`+host` after "
+                             f"a lora or qlora one) and LAYERS one of {LAYER_LOOPS}")
+        if "@" in text and xla not in CELL_XLA_FLAGS:
+            raise ValueError(f"cell {text!r}: @{xla} is not one of {sorted(CELL_XLA_FLAGS)}")
+        layers = parts[5] if len(parts) == 6 else "scan"
+        return cls(parts[0], parts[1], int(parts[2]), parts[3], parts[4], layers, xla)
 
     def __str__(self) -> str:
-        return ":".join(str(v) for v in (self if self.layers != "scan" else self[:5]))
+        spec = ":".join(str(v) for v in (self[:6] if self.layers != "scan" else self[:5]))
+        return spec + (f"@{self.xla}" if self.xla else "")
 
 
 # -- model FLOPs -------------------------------------------------------------------------------
@@ -208,6 +229,8 @@ def torch_missing() -> str:
 
 def cell_args(text: str, steps: int, trace_dir: Path | None) -> list[str]:
     if text.startswith("peft:"):
+        if "@" in text:
+            raise ValueError(f"cell {text!r}: XLA flags (`@NAME`) are for lorax's cells")
         _, model, batch, mode, ckpt = text.split(":")
         return ["benchmarks._peft", model, "--batch", batch, "--steps", str(steps)] + (
             ["--compile"] if mode == "compiled" else []) + (
@@ -255,6 +278,16 @@ def cap_env(text: str, caps: dict[str, float], ceiling: dict[str, Any],
     return env
 
 
+def cell_xla_env(text: str, env: dict[str, str]) -> dict[str, str]:
+    """`XLA_FLAGS` for a cell that names flags (`...@cublas`): `env`'s (else the run's),
+    then the cell's `CELL_XLA_FLAGS`; nothing for a cell that names none."""
+    name = text.partition("@")[2]
+    if not name:
+        return {}
+    own = env.get("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))
+    return {"XLA_FLAGS": " ".join(filter(None, (own, CELL_XLA_FLAGS[name])))}
+
+
 def ceiling_tflops(timeout: float = 120) -> dict[str, Any]:
     """The device's bf16 matrix rate, measured (`benchmarks._device_step --ceiling`)."""
     return run_in_process(["benchmarks._device_step", "--ceiling"], timeout)
@@ -273,7 +306,8 @@ def timeout_for(text: str) -> float:
     if text.startswith("peft:") and ":compiled:" in text:
         return 420  # torch.compile's first step: ~2 minutes at 8B
     # An unrolled loop compiles every layer: ~30 s for 8B on a CPU, against ~4 under scan.
-    return 420 if "70b" in text or text.endswith(":unrolled") else 240
+    unrolled = not text.startswith("peft:") and Cell.parse(text).layers == "unrolled"
+    return 420 if "70b" in text or unrolled else 240
 
 
 def with_rates(row: dict[str, Any], ceiling: dict[str, Any]) -> dict[str, Any]:
@@ -303,7 +337,8 @@ def with_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 (p["model"], p["batch"]) == key]
         if peft and not r["method"].startswith("peft"):
             r["vs_peft"] = r["tokens_per_s"] / max(peft)
-        how = lambda p: (p["remat"], p["attention"], p.get("layers") or "scan")  # noqa: E731
+        how = lambda p: (p["remat"], p["attention"], p.get("layers") or "scan",  # noqa: E731
+                         p.get("xla") or "")
         same = lambda m: next((p["step_s"] for p in ok if p["method"] == m and (  # noqa: E731
             p["model"], p["batch"], *how(p)) == (*key, *how(r))), None)
         if r["method"].endswith("+host"):
@@ -341,7 +376,8 @@ def markdown(rows: list[dict[str, Any]]) -> list[str]:
             + " *vs dense / hand*: step time over dense lorax LoRA's (QLoRA, hand-written), "
             "over hand-written LoRA's (lorax LoRA), or over the same method's with every weight "
             "on the device (`+host`: frozen weights in host memory), same batch, remat, "
-            "attention and layers (*unrolled*: per-layer weights, no `lax.scan`)."]
+            "attention, layers (*unrolled*: per-layer weights, no `lax.scan`) and cell "
+            "flags (`@NAME`)."]
 
 
 def _method(r: dict[str, Any], flags: str = "") -> str:
@@ -355,7 +391,8 @@ def _method(r: dict[str, Any], flags: str = "") -> str:
 
 
 _FLAG_WORDS = {"--xla_gpu_enable_command_buffer=": "command buffers off",
-               "--xla_gpu_enable_pipelined_host_offloading=true": "pipelined host offloading"}
+               "--xla_gpu_enable_pipelined_host_offloading=true": "pipelined host offloading",
+               CELL_XLA_FLAGS["cublas"]: "every product through cuBLAS"}
 
 
 def _flag_words(flags: str) -> str:
@@ -450,6 +487,7 @@ def run_cells(cells: list[str], args: Any, out: Path, clock: C.Clock) -> list[di
             continue
         trace = trace_dir if text in traced and not text.startswith("peft:") else None
         env = cap_env(text, caps, ceiling, args.host_xla_flags)
+        env.update(cell_xla_env(text, env))
         row = run_in_process(cell_args(text, steps, trace), min(timeout_for(text), left), env)
         cap = {"mem_cap_gib": caps[text.split(":")[0]]} if any("FRACTION" in k for k in env) else {}
         rows.append(with_rates({"cell": text, **cap, **row}, ceiling))

@@ -16,12 +16,17 @@ one a card would run, so this shows on a CPU machine what XLA:CPU cannot:
   read 8-bit or 4-bit codes and write a 16-bit array of a million values or more (a
   weight). None where XLA fuses the dequantization into the product that reads it
   (`qlora-int8-bf16`, `qlora-s4-bf16` under `dequant`: the products read the codes).
+- the slices a step copies out of larger arrays (fusions computing a `dynamic-slice`:
+  under `lax.scan`, each layer's weights and saved activations), GiB a step, and the
+  TFLOP of its matrix products; both counted as often as their loops run, so
+  recomputation and any product XLA computes twice are in them.
 
 The step is `benchmarks.offload`'s (`benchmarks.scale`'s Llama Adam step, donated as
 `benchmarks.accelerator` donates it). A cell is `MODEL:METHOD:FLAGS[:REMAT[:LAYERS]]`:
 FLAGS `default` or XLA flags (compile options) joined by `+`: `pipelined`
 (`xla_gpu_enable_pipelined_host_offloading`), `dequant` (`benchmarks._device_step.
-DEQUANT_OPTIONS`: XLA's dequantization fusion and the two options it needs), METHOD a
+DEQUANT_OPTIONS`: XLA's dequantization fusion and the two options it needs), `cublas`
+(`xla_gpu_enable_triton_gemm=False`: every product a cuBLAS call), METHOD a
 `benchmarks.scale` method, `+host` after it for the frozen weights in
 host memory (`lorax.offload_frozen`) and `+state` for Adam's state (`lorax.offload_state`),
 REMAT `llama.Config.remat` (`layer`, the default), LAYERS `scan` (the default)
@@ -75,7 +80,10 @@ TARGETS = {"h100": _H100_SXM, "h200": _H200}
 FLAGS = {"default": {}, "pipelined": {"xla_gpu_enable_pipelined_host_offloading": True},
          # The products read int8 or int4 codes times scales in the weight's dtype
          # (`lorax.quantize(..., scale_dtype=)`).
-         "dequant": DEQUANT_OPTIONS}
+         "dequant": DEQUANT_OPTIONS,
+         # Every product through cuBLAS (no Triton GEMM fusions): XLA's dynamic-slice
+         # fusion then lets a product read its layer's slice of a stacked weight in place.
+         "cublas": {"xla_gpu_enable_triton_gemm": False}}
 
 
 def options(flags: str) -> dict[str, Any]:
@@ -206,6 +214,80 @@ def _bits(hlo_dtype: str) -> int:
     return int(bits.group()) if bits else 8  # (`pred`: a byte)
 
 
+# A computation's header (`%name (params) -> result {`, or `ENTRY %name ...`) and body.
+_COMPUTATION = re.compile(r"^(?:ENTRY )?(%\S+) \(.*?\{\n(.*?)\n\}", re.S | re.M)
+# An instruction's name and (first) result shape: `%x = bf16[2,3]{1,0} op(` or `%x = (bf16[..`
+_RESULT = re.compile(r"^\s*(?:ROOT )?%(\S+) = \(*([a-z]+[0-9]*)\[([0-9,]*)\]", re.M)
+# A computation's root: its shape, its op and first operand.
+_ROOT = re.compile(r"ROOT %\S+ = ([a-z]+[0-9]*)\[([0-9,]*)\]\S* ([\w-]+)\(%([^,)]+)")
+
+
+def _executions(hlo_text: str) -> tuple[dict[str, str], dict[str, int]]:
+    """Each computation's body, and how many times it runs in one execution of the
+    module: the entry once, a `while` body its known trip count times its caller's, a
+    fusion's computation (`calls=`) as often as its caller."""
+    bodies = {m.group(1): m.group(2) for m in _COMPUTATION.finditer(hlo_text)}
+    entry = re.search(r"^ENTRY (%\S+)", hlo_text, re.M)
+    runs = {entry.group(1): 1} if entry else {}
+    pending = list(runs)
+    while pending:
+        name = pending.pop()
+        for line in bodies.get(name, "").splitlines():
+            trips = re.search(r'known_trip_count":\{"n":"([0-9]+)"', line)
+            for key, callee in re.findall(r"\b(calls|body)=(%[\w.-]+)", line):
+                n = runs[name] * (int(trips.group(1)) if key == "body" and trips else 1)
+                if callee not in runs:
+                    pending.append(callee)
+                runs[callee] = runs.get(callee, 0) + n
+    return bodies, runs
+
+
+def _shape(dims: str) -> tuple[int, ...]:
+    return tuple(int(d) for d in dims.split(",") if d)
+
+
+def slice_copies_gib(hlo_text: str) -> float:
+    """GiB that fusions computing a `dynamic-slice` write in one step: slices copied out
+    of a larger array (under `lax.scan`, each layer's weights and saved activations),
+    each counted as often as its loop runs. A product that reads a slice in place (XLA's
+    dynamic-slice fusion of a cuBLAS call, kind=kCustom) copies none."""
+    bodies, runs = _executions(hlo_text)
+    total = 0
+    for name, body in bodies.items():
+        for callee in re.findall(r"kind=kLoop, calls=(%[\w.-]+)", body):
+            fused = bodies.get(callee, "")
+            root = _ROOT.search(fused)
+            if root and root.group(3) == "bitcast":  # (a bitcast of the slice is the slice)
+                source = re.search(rf"%{re.escape(root.group(4))} = \S+ ([\w-]+)\(", fused)
+                sliced = bool(source) and source.group(1) == "dynamic-slice"
+            else:
+                sliced = bool(root) and root.group(3) == "dynamic-slice"
+            if sliced:
+                nbytes = math.prod(_shape(root.group(2))) * _bits(root.group(1)) / 8
+                total += runs.get(name, 0) * nbytes
+    return total / GiB
+
+
+def product_tflop(hlo_text: str) -> float:
+    """TFLOP of the matrix products a step runs (XLA's `dot`s, cuBLAS calls; cuDNN's
+    attention aside), each counted as often as its computation runs: recomputation and
+    products XLA computes twice included, so set against the model's own count."""
+    bodies, runs = _executions(hlo_text)
+    shapes = {m.group(1): _shape(m.group(3)) for m in _RESULT.finditer(hlo_text)}
+    total = 0.0
+    for name, body in bodies.items():
+        for m in _RESULT.finditer(body):
+            line = body[m.start():body.find("\n", m.end())]
+            op = re.search(r"(?:\) | )(dot|custom-call)\(%([^,)]+)", line)
+            if not op or (op.group(1) == "custom-call" and "__cublas" not in line):
+                continue
+            dims = re.search(r'lhs_contracting_dim(?:s=\{|ensions":\[)([0-9",]*)', line)
+            lhs = shapes.get(op.group(2), ())
+            k = math.prod(lhs[int(d)] for d in re.findall(r"[0-9]+", dims.group(1))) if dims else 0
+            total += runs.get(name, 0) * 2 * math.prod(_shape(m.group(3))) * k
+    return total / 1e12
+
+
 # -- the step ---------------------------------------------------------------------------------
 
 
@@ -245,7 +327,8 @@ def measure(target: str, cell: str, memory_gib: float | None = None) -> dict[str
                 host_loops=len(found),
                 prefetching_loops=sum(1 for lp in found if lp.carried_slices),
                 carried_mib=max((lp.carried_bytes for lp in found), default=0) / 2**20,
-                dense_writes=dense_writes(hlo))
+                dense_writes=dense_writes(hlo), slice_copies_gib=slice_copies_gib(hlo),
+                product_tflop=product_tflop(hlo))
 
 
 COLUMNS = [("model", "model"), ("method", "method"), ("remat", "remat"), ("layers", "layers"),
@@ -254,7 +337,9 @@ COLUMNS = [("model", "model"), ("method", "method"), ("remat", "remat"), ("layer
            ("host_args_gib", "host GiB"), ("host_loops", "loops reading host memory"),
            ("prefetching_loops", "of them moving the next layer ahead"),
            ("carried_mib", "next layer in flight, MiB"),
-           ("dense_writes", "dequantizations writing a weight"), ("compile_s", "compile s")]
+           ("dense_writes", "dequantizations writing a weight"),
+           ("slice_copies_gib", "slices copied, GiB a step"),
+           ("product_tflop", "matrix products, TFLOP a step"), ("compile_s", "compile s")]
 _HOST_COLUMNS = {"host_args_gib", "host_loops", "prefetching_loops", "carried_mib"}
 
 

@@ -68,6 +68,89 @@ def test_dense_writes_counts_weights_not_lookups_products_or_small_arrays():
     assert G.dense_writes(_FUSIONS, min_values=64) == 2
 
 
+# A compiled module with a 4-iteration loop: a weight's slice copied out of its stack (a
+# bitcast of the slice), an activation's slice at a reversed index (async), a slice scaled
+# on the way (a computation, not a copy), one product as an XLA `dot`, one as a cuBLAS call
+# reading the slice, cuDNN's attention (not counted); once more outside the loop, a slice.
+_LOOP_MODULE = """\
+%slice_w (p0: bf16[4,8,16], p1: s32[]) -> bf16[8,16] {
+  %p0 = bf16[4,8,16]{2,1,0} parameter(0)
+  %p1 = s32[] parameter(1)
+  %zero = s32[] constant(0)
+  %ds = bf16[1,8,16]{2,1,0} dynamic-slice(%p0, %p1, %zero, %zero), dynamic_slice_sizes={1,8,16}
+  ROOT %b = bf16[8,16]{1,0} bitcast(%ds)
+}
+
+%reversed (p0.1: f32[4,32], p1.1: s32[]) -> f32[1,32] {
+  %p0.1 = f32[4,32]{1,0} parameter(0)
+  %p1.1 = s32[] parameter(1)
+  %three = s32[] constant(3)
+  %i.1 = s32[] subtract(%three, %p1.1)
+  %zero.1 = s32[] constant(0)
+  ROOT %ds.1 = f32[1,32]{1,0} dynamic-slice(%p0.1, %i.1, %zero.1), dynamic_slice_sizes={1,32}
+}
+
+%scaled (p0.2: bf16[4,8,16], p1.2: s32[]) -> bf16[1,8,16] {
+  %p0.2 = bf16[4,8,16]{2,1,0} parameter(0)
+  %p1.2 = s32[] parameter(1)
+  %zero.2 = s32[] constant(0)
+  %ds.2 = bf16[1,8,16]{2,1,0} dynamic-slice(%p0.2, %p1.2, %zero.2, %zero.2), dynamic_slice_sizes={1,8,16}
+  ROOT %m = bf16[1,8,16]{2,1,0} multiply(%ds.2, %ds.2)
+}
+
+%product (p0.3: bf16[2,8], p1.3: bf16[8,16]) -> bf16[2,16] {
+  %p0.3 = bf16[2,8]{1,0} parameter(0)
+  %p1.3 = bf16[8,16]{1,0} parameter(1)
+  ROOT %d = bf16[2,16]{1,0} dot(%p0.3, %p1.3), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%body (t: (s32[], bf16[4,8,16], f32[4,32], bf16[2,8])) -> (s32[], bf16[4,8,16], f32[4,32], bf16[2,8]) {
+  %t = (s32[], bf16[4,8,16]{2,1,0}, f32[4,32]{1,0}, bf16[2,8]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%t), index=0
+  %w = bf16[4,8,16]{2,1,0} get-tuple-element(%t), index=1
+  %a = f32[4,32]{1,0} get-tuple-element(%t), index=2
+  %x = bf16[2,8]{1,0} get-tuple-element(%t), index=3
+  %s = bf16[8,16]{1,0} fusion(%w, %i), kind=kLoop, calls=%slice_w
+  %start = ((f32[4,32]{1,0}, s32[]), f32[1,32]{1,0}, u32[]) fusion-start(%a, %i), kind=kLoop, calls=%reversed
+  %sc = bf16[1,8,16]{2,1,0} fusion(%w, %i), kind=kLoop, calls=%scaled
+  %g = bf16[2,16]{1,0} fusion(%x, %s), kind=kCustom, calls=%product
+  %cb = (bf16[2,16]{1,0}, s8[64]{0}) custom-call(%x, %s), custom_call_target="__cublas$lt$matmul", backend_config={"gemm_backend_config":{"dot_dimension_numbers":{"lhs_contracting_dimensions":["1"],"rhs_contracting_dimensions":["0"]}}}
+  %attn = (bf16[2,16]{1,0}, u8[0]{0}) custom-call(%x, %s), custom_call_target="__cudnn$fmhaSoftmax"
+  ROOT %out = (s32[], bf16[4,8,16]{2,1,0}, f32[4,32]{1,0}, bf16[2,8]{1,0}) tuple(%i, %w, %a, %x)
+}
+
+ENTRY %main (init: (s32[], bf16[4,8,16], f32[4,32], bf16[2,8])) -> bf16[8,16] {
+  %init = (s32[], bf16[4,8,16]{2,1,0}, f32[4,32]{1,0}, bf16[2,8]{1,0}) parameter(0)
+  %loop = (s32[], bf16[4,8,16]{2,1,0}, f32[4,32]{1,0}, bf16[2,8]{1,0}) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"4"}}
+  %w.1 = bf16[4,8,16]{2,1,0} get-tuple-element(%loop), index=1
+  %i.2 = s32[] get-tuple-element(%loop), index=0
+  ROOT %last = bf16[8,16]{1,0} fusion(%w.1, %i.2), kind=kLoop, calls=%slice_w
+}
+"""
+
+
+def test_slice_copies_count_each_copy_as_often_as_its_loop_runs():
+    per_iteration = 8 * 16 * 2 + 32 * 4  # the weight's slice, the activation's
+    assert G.slice_copies_gib(_LOOP_MODULE) * 2**30 == 4 * per_iteration + 8 * 16 * 2
+
+
+def test_products_count_dots_and_cublas_calls_as_often_as_their_loop_runs():
+    assert G.product_tflop(_LOOP_MODULE) * 1e12 == 4 * 2 * (2 * 2 * 16 * 8)
+
+
+def test_products_of_a_compiled_scan_and_its_gradient():
+    """XLA's program for a scanned stack of products (on this machine's backend): the
+    forward's products once a layer, the gradient's three times."""
+    def f(ws, x):
+        return jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, ws)[0].sum()
+
+    ws, x = jnp.ones((5, 96, 96)), jnp.ones((64, 96))
+    one = 2 * 64 * 96 * 96
+    for fn, products in ((f, 5), (jax.grad(f), 15)):
+        hlo = jax.jit(fn).lower(ws, x).compile().as_text()
+        assert G.product_tflop(hlo) * 1e12 == products * one
+
+
 def test_flags_combine_and_an_unknown_one_is_named():
     both = G.options("pipelined+dequant")
     assert both == {**G.FLAGS["pipelined"], **G.FLAGS["dequant"]} and G.options("default") == {}
@@ -239,3 +322,22 @@ def test_scale_compiles_for_one_and_for_eight_gpus(tmp_path):
     md = (tmp_path / "scale_h100.md").read_text()
     assert "Compiled for one and for 8 NVIDIA H100 80GB HBM3 (on one host)" in md
     assert not (tmp_path / "scale.md").exists()  # the CPU's table is left alone
+
+
+@needs_plugin
+def test_cublas_products_read_stacked_weights_in_place_and_redo_the_saved_ones():
+    """What docs/gpu.md says of the scanned Llama-3-8B step compiled for an H200: XLA's
+    Triton GEMMs read a copy of each layer's weights, forward and backward; as cuBLAS calls
+    they read them in place (remat `layer`: the same products), but with remat `dots` a
+    product whose output is saved runs twice (gate and up at least)."""
+    n, d, f, h, kv, seq = S.MODELS["llama-3-8b"]
+    hd = d // h
+    layer_weights = 2 * (d * h * hd + 2 * d * kv * hd + h * hd * d + 3 * d * f)  # bf16 bytes
+    run = {c: G.measure("h200", f"llama-3-8b:lora:{c}") for c in
+           ("default:layer", "cublas:layer", "default:dots", "cublas:dots")}
+    copied = run["default:layer"]["slice_copies_gib"] - run["cublas:layer"]["slice_copies_gib"]
+    assert copied * 2**30 == pytest.approx(2 * n * layer_weights)  # both passes, every layer
+    assert run["cublas:layer"]["product_tflop"] == pytest.approx(
+        run["default:layer"]["product_tflop"])
+    again = run["cublas:dots"]["product_tflop"] - run["default:dots"]["product_tflop"]
+    assert again * 1e12 >= 0.99 * n * 2 * (2 * seq * d * f)

@@ -323,6 +323,41 @@ def test_accelerator_cells_name_their_layer_loop():
             Cell.parse(bad)
 
 
+def test_accelerator_cells_add_named_xla_flags_to_their_own_process(monkeypatch):
+    from benchmarks import accelerator as A
+
+    cell = A.Cell.parse("llama-3-8b:lora:1:layer:auto:unrolled@cublas")
+    assert (cell.layers, cell.xla, str(cell)) == ("unrolled", "cublas",
+                                                  "llama-3-8b:lora:1:layer:auto:unrolled@cublas")
+    assert str(A.Cell.parse("llama-3-8b:lora:1:layer:auto:scan@cublas")) == (
+        "llama-3-8b:lora:1:layer:auto@cublas")
+    assert A.Cell.parse("llama-3-8b:lora:1:layer:auto").xla == ""
+    for bad in ("llama-3-8b:lora:1:layer:auto@triton", "llama-3-8b:lora:1:layer:auto@"):
+        with pytest.raises(ValueError, match="is not one of \\['cublas'\\]"):
+            A.Cell.parse(bad)
+    with pytest.raises(ValueError, match="for lorax's cells"):
+        A.cell_args("peft:llama-3-8b:1:compiled:off@cublas", 1, None)
+    assert A.timeout_for("llama-3-8b:lora:1:none:auto:unrolled@cublas") == 420
+    # After the run's own flags, or a `+host` cell's (which come with the run's).
+    monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/tmp/x")
+    flags = A.CELL_XLA_FLAGS["cublas"]
+    assert A.cell_xla_env("llama-3-8b:lora:1:layer:auto@cublas", {}) == {
+        "XLA_FLAGS": "--xla_dump_to=/tmp/x " + flags}
+    host = {"XLA_FLAGS": "--xla_dump_to=/tmp/x " + A.HOST_XLA_FLAGS}
+    assert A.cell_xla_env("llama-3-8b:lora+host:1:layer:auto@cublas", host) == {
+        "XLA_FLAGS": host["XLA_FLAGS"] + " " + flags}
+    assert A.cell_xla_env("llama-3-8b:lora:1:layer:auto", {}) == {}
+    # A flagged cell pairs with flagged cells only, and its row names its flags.
+    row = lambda method, step, xla="": dict(  # noqa: E731
+        model="m", method=method, batch=1, remat="layer", attention="auto", step_s=step,
+        tokens_per_s=1000 / step, xla=xla, xla_flags=flags if xla else "")
+    lora, hand, lora_cublas = A.with_ratios([row("lora", 1.0), row("hand", 0.8),
+                                             row("lora", 0.9, "cublas")])
+    assert lora["vs_hand"] == pytest.approx(1.25) and "vs_hand" not in lora_cublas
+    assert A._method(lora_cublas, A.run_flags([lora, hand, lora_cublas])) == (
+        "lora, XLA flags: every product through cuBLAS")
+
+
 def test_device_step_fills_unrolled_layers_with_one_program_per_leaf_signature():
     """Unrolled layers' leaves are filled by programs shared across layers (one program for
     the whole tree did not compile in 5 minutes on a GPU), with the values a fill of that
