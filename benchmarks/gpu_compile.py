@@ -32,8 +32,8 @@ host memory (`lorax.offload_frozen`) and `+state` for Adam's state (`lorax.offlo
 REMAT `llama.Config.remat` (`layer`, the default), LAYERS `scan` (the default)
 or `unrolled` (`llama.hidden_states`).
 
-    python -m benchmarks.gpu_compile [--target h200] [--memory-gib GIB] [--cells ...]
-                                     [--out DIR] [--name NAME]
+    python -m benchmarks.gpu_compile [--target h200] [--memory-gib GIB] [--batch N]
+                                     [--cells ...] [--out DIR] [--name NAME]
 
 `--memory-gib`: the card's memory as XLA plans for it (a 24 GB card's, say: XLA's scheduler
 starts fewer copies early when memory is short).
@@ -292,25 +292,26 @@ def product_tflop(hlo_text: str) -> float:
 
 
 def lowered_step(model: str, method: str, remat: str = "layer", layers: str = "scan",
-                 attention: str = "cudnn") -> str:
+                 attention: str = "cudnn", batch: int = 1) -> str:
     """`benchmarks.offload.abstract_step` for `model` and `method` (`+host`: the frozen
-    half in host memory; `+state`: Adam's state too, `lorax.offload_state`), lowered for
-    `cuda`, the trainable parameters and optimizer state donated (as
-    `benchmarks.accelerator` donates them)."""
+    half in host memory; `+state`: Adam's state too, `lorax.offload_state`), `batch`
+    windows a step, lowered for `cuda`, the trainable parameters and optimizer state
+    donated (as `benchmarks.accelerator` donates them)."""
     from . import offload as O
     base, *where = method.split("+")
     step, args = O.abstract_step(model, base, "host" in where, remat, layers, attention,
-                                 state_on_host="state" in where)
+                                 state_on_host="state" in where, batch=batch)
     jitted = jax.jit(step, in_shardings=jax.tree.map(O._sharding, args), donate_argnums=(0, 2))
     return jitted.trace(*jax.tree.map(O._typed, args)).lower(
         lowering_platforms=("cuda",)).as_text()
 
 
-def measure(target: str, cell: str, memory_gib: float | None = None) -> dict[str, Any]:
+def measure(target: str, cell: str, memory_gib: float | None = None,
+            batch: int = 1) -> dict[str, Any]:
     model, method, flags, *rest = cell.split(":")
     remat, layers = rest + ["layer", "scan"][len(rest):]
     t0 = time.perf_counter()
-    executable = compile_for(lowered_step(model, method, remat, layers), target,
+    executable = compile_for(lowered_step(model, method, remat, layers, batch=batch), target,
                              options(flags), memory_gib)
     compile_s = time.perf_counter() - t0
     m = executable.get_compiled_memory_stats()
@@ -318,12 +319,13 @@ def measure(target: str, cell: str, memory_gib: float | None = None) -> dict[str
     found = loops(hlo)
     memory_gib = memory_gib or TARGETS[target]["device_memory_size"] / GiB
     return dict(target=target, memory_gib=memory_gib, model=model, method=method, flags=flags,
-                remat=remat, layers=layers, compile_s=compile_s,
+                remat=remat, layers=layers, batch=batch, compile_s=compile_s,
                 device_args_gib=m.argument_size_in_bytes / GiB,
                 device_temps_gib=m.temp_size_in_bytes / GiB,
                 device_peak_gib=(m.argument_size_in_bytes + m.temp_size_in_bytes
                                  + m.output_size_in_bytes - m.alias_size_in_bytes) / GiB,
                 host_args_gib=m.host_argument_size_in_bytes / GiB,
+                host_temps_gib=m.host_temp_size_in_bytes / GiB,
                 host_loops=len(found),
                 prefetching_loops=sum(1 for lp in found if lp.carried_slices),
                 carried_mib=max((lp.carried_bytes for lp in found), default=0) / 2**20,
@@ -332,20 +334,22 @@ def measure(target: str, cell: str, memory_gib: float | None = None) -> dict[str
 
 
 COLUMNS = [("model", "model"), ("method", "method"), ("remat", "remat"), ("layers", "layers"),
-           ("flags", "XLA flags"),
+           ("batch", "windows"), ("flags", "XLA flags"),
            ("device_peak_gib", "device GiB (XLA)"), ("device_temps_gib", "of it temporaries"),
-           ("host_args_gib", "host GiB"), ("host_loops", "loops reading host memory"),
+           ("host_args_gib", "host GiB"), ("host_temps_gib", "host temporaries GiB"),
+           ("host_loops", "loops reading host memory"),
            ("prefetching_loops", "of them moving the next layer ahead"),
            ("carried_mib", "next layer in flight, MiB"),
            ("dense_writes", "dequantizations writing a weight"),
            ("slice_copies_gib", "slices copied, GiB a step"),
            ("product_tflop", "matrix products, TFLOP a step"), ("compile_s", "compile s")]
-_HOST_COLUMNS = {"host_args_gib", "host_loops", "prefetching_loops", "carried_mib"}
+_HOST_COLUMNS = {"host_args_gib", "host_temps_gib", "host_loops", "prefetching_loops",
+                 "carried_mib"}
 
 
 def markdown(rows: list[dict]) -> str:
     """The rows as a table; the host-memory columns only where a step has host arguments."""
-    host = any(r["host_args_gib"] for r in rows)
+    host = any(r["host_args_gib"] or r["host_temps_gib"] for r in rows)
     columns = [(k, t) for k, t in COLUMNS if host or k not in _HOST_COLUMNS]
     head = "| " + " | ".join(title for _, title in columns) + " |"
     lines = [head, "|" + "---|" * len(columns)]
@@ -362,13 +366,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--cells", default=DEFAULT_CELLS)
     parser.add_argument("--memory-gib", type=float, default=None,
                         help="the card's memory as XLA plans for it (default: the target's)")
+    parser.add_argument("--batch", type=int, default=1,
+                        help="windows of the model's sequence length a step (default 1)")
     parser.add_argument("--out", default=None)
     parser.add_argument("--name", default="gpu_compile",
                         help="the results' file name, before the target's")
     args = parser.parse_args(argv)
     rows = []
     for cell in args.cells.split(","):
-        rows.append(measure(args.target, cell, args.memory_gib))
+        rows.append(measure(args.target, cell, args.memory_gib, args.batch))
         print(rows[-1], flush=True)
     out = C.out_dir(args.out)
     name = f"{args.name}_{args.target}" + (f"_{args.memory_gib:g}g" if args.memory_gib else "")

@@ -214,7 +214,7 @@ def test_gpu_compile_writes_its_table(tmp_path):
     on_device, host = rows
     assert host["device_args_gib"] < on_device["device_args_gib"]
     md = (tmp_path / "gpu_compile_h200.md").read_text()
-    assert "| tiny | qlora-nf4+host | layer | scan | pipelined |" in md
+    assert "| tiny | qlora-nf4+host | layer | scan | 1 | pipelined |" in md
     assert (tmp_path / "gpu_compile_h200.csv").exists()
 
 
@@ -341,3 +341,15 @@ def test_cublas_products_read_stacked_weights_in_place_and_redo_the_saved_ones()
         run["default:layer"]["product_tflop"])
     again = run["cublas:dots"]["product_tflop"] - run["default:dots"]["product_tflop"]
     assert again * 1e12 >= 0.99 * n * 2 * (2 * seq * d * f)
+
+
+@needs_plugin
+def test_remat_offload_keeps_every_layers_input_in_host_memory():
+    n, d, *_, seq = S.MODELS["tiny"]
+    layer = G.measure("h200", "tiny:qlora-nf4:default:layer", batch=2)
+    offload = G.measure("h200", "tiny:qlora-nf4:default:offload", batch=2)
+    kept = 2 * n * seq * d * 2  # both windows' bf16 layer inputs, every layer
+    assert (layer["host_temps_gib"], offload["host_temps_gib"] * 2**30) == (0, kept)
+    # Both layer loops move the next layer's input while the current one computes.
+    assert offload["batch"] == 2 and offload["prefetching_loops"] == 2
+    assert offload["carried_mib"] * 2**20 == 2 * seq * d * 2
