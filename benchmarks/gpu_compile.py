@@ -52,6 +52,7 @@ import re
 import sys
 import time
 from pathlib import Path
+from collections import Counter
 from typing import Any, NamedTuple
 
 if __package__ in (None, ""):
@@ -268,13 +269,13 @@ def slice_copies_gib(hlo_text: str) -> float:
     return total / GiB
 
 
-def product_tflop(hlo_text: str) -> float:
-    """TFLOP of the matrix products a step runs (XLA's `dot`s, cuBLAS calls; cuDNN's
-    attention aside), each counted as often as its computation runs: recomputation and
-    products XLA computes twice included, so set against the model's own count."""
+def products(hlo_text: str) -> Counter:
+    """How many times a step runs each matrix product (XLA's `dot`s, cuBLAS calls; cuDNN's
+    attention aside), by `(output shape, contracted size)`, each counted as often as its
+    computation runs."""
     bodies, runs = _executions(hlo_text)
     shapes = {m.group(1): _shape(m.group(3)) for m in _RESULT.finditer(hlo_text)}
-    total = 0.0
+    found: Counter = Counter()
     for name, body in bodies.items():
         for m in _RESULT.finditer(body):
             line = body[m.start():body.find("\n", m.end())]
@@ -284,8 +285,14 @@ def product_tflop(hlo_text: str) -> float:
             dims = re.search(r'lhs_contracting_dim(?:s=\{|ensions":\[)([0-9",]*)', line)
             lhs = shapes.get(op.group(2), ())
             k = math.prod(lhs[int(d)] for d in re.findall(r"[0-9]+", dims.group(1))) if dims else 0
-            total += runs.get(name, 0) * 2 * math.prod(_shape(m.group(3))) * k
-    return total / 1e12
+            found[(_shape(m.group(3)), k)] += runs.get(name, 0)
+    return found
+
+
+def product_tflop(hlo_text: str) -> float:
+    """TFLOP of `products`: recomputation and products XLA computes twice included, so
+    set against the model's own count."""
+    return sum(2 * math.prod(out) * k * n for (out, k), n in products(hlo_text).items()) / 1e12
 
 
 # -- the step ---------------------------------------------------------------------------------

@@ -498,3 +498,41 @@ def test_quant_error_quick(tmp_path):
         assert err["s4"] < 0.95 * err["s4, absmax / 7 (before)"]
         assert err["s4, bf16 scales"] == pytest.approx(err["s4"], rel=1e-2)
     assert rows["s4, bf16 scales"]["bytes_per_value"] < rows["s4"]["bytes_per_value"]
+
+
+def test_remat_dots_recomputes_lorax_rank_expansions_where_hand_written_lora_keeps_them(
+        monkeypatch):
+    """docs/gpu.md: under remat `dots` the hand-written model keeps its rank-16 expansions
+    `(x a) b` (outputs of matrix products), lorax's step recomputes them in the backward
+    pass. Compiled here for the tiny Llama: the same products but for more rank-16
+    products of full width in lorax's step, at most twice the hand-written step's."""
+    import collections
+
+    import optax
+
+    from benchmarks import _device_step as D, gpu_compile as G, scale as S
+
+    def expansions(method: str) -> tuple[float, collections.Counter]:
+        monkeypatch.setattr(S.LLAMA, "block", S.LLAMA.block)  # `setup` swaps it for "hand"
+        cfg, seq = S.config("tiny", "xla", "dots"), S.MODELS["tiny"][-1]
+        trainable, frozen, loss = D.setup(cfg, method)
+        opt = optax.adam(1e-4)
+
+        def step(t, f, s, w):
+            g = jax.grad(lambda t: loss(t, f, w))(t)
+            u, s = opt.update(g, s, t)
+            return optax.apply_updates(t, u), s
+
+        hlo = jax.jit(step).lower(trainable, frozen, opt.init(trainable), jax.numpy.zeros(
+            (1, seq + 1), jax.numpy.int32)).compile().as_text()
+        found = collections.Counter()  # (tokens, out) products over the rank: by `out`
+        for (out, k), n in G.products(hlo).items():
+            if k == S.RANK and len(out) == 2 and out[0] == seq:
+                found[out[1]] += n
+        return G.product_tflop(hlo), found
+
+    seq = S.MODELS["tiny"][-1]
+    (lora, lora_x), (hand, hand_x) = expansions("lora"), expansions("hand")
+    extra = sum(2 * seq * S.RANK * out * (lora_x[out] - hand_x[out]) for out in lora_x)
+    assert extra > 0 and (lora - hand) * 1e12 == pytest.approx(extra)
+    assert all(hand_x[out] <= lora_x[out] <= 2 * hand_x[out] for out in hand_x)
