@@ -394,6 +394,32 @@ DTYPE_BYTES = {"f64": 8, "s64": 8, "u64": 8, "f32": 4, "s32": 4, "u32": 4, "bf16
                "s16": 2, "u16": 2, "s8": 1, "u8": 1, "pred": 1}
 
 
+# A computation of an HLO module's text: its name (`%name (params) -> result {`, or
+# `ENTRY %name ...`) and its body.
+HLO_COMPUTATION = re.compile(r"^(?:ENTRY )?(%\S+) \(.*?\{\n(.*?)\n\}", re.S | re.M)
+
+
+def hlo_executions(hlo_text: str) -> tuple[dict[str, str], dict[str, int]]:
+    """Each computation's body by name (`%name`), and how many times it runs in one
+    execution of the module: the entry once, a `while` body its known trip count times
+    its caller's, a fusion's computation (`calls=`) as often as its caller. Computations
+    reached otherwise (reducers, conditionals) are not in the counts."""
+    bodies = {m.group(1): m.group(2) for m in HLO_COMPUTATION.finditer(hlo_text)}
+    entry = re.search(r"^ENTRY (%\S+)", hlo_text, re.M)
+    runs = {entry.group(1): 1} if entry else {}
+    pending = list(runs)
+    while pending:
+        name = pending.pop()
+        for line in bodies.get(name, "").splitlines():
+            trips = re.search(r'known_trip_count":\{"n":"([0-9]+)"', line)
+            for key, callee in re.findall(r"\b(calls|body)=(%[\w.-]+)", line):
+                n = runs[name] * (int(trips.group(1)) if key == "body" and trips else 1)
+                if callee not in runs:
+                    pending.append(callee)
+                runs[callee] = runs.get(callee, 0) + n
+    return bodies, runs
+
+
 def hlo_bytes(shapes: Iterable[tuple[str, str]]) -> int:
     """Bytes of HLO shapes given as `(dtype, "d0,d1,...")` pairs (as `f32[8,128]` reads)."""
     return sum(math.prod(int(v) for v in dims.split(",") if v) * DTYPE_BYTES.get(dtype, 4)

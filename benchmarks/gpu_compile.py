@@ -51,8 +51,8 @@ import os
 import re
 import sys
 import time
-from pathlib import Path
 from collections import Counter
+from pathlib import Path
 from typing import Any, NamedTuple
 
 if __package__ in (None, ""):
@@ -215,32 +215,10 @@ def _bits(hlo_dtype: str) -> int:
     return int(bits.group()) if bits else 8  # (`pred`: a byte)
 
 
-# A computation's header (`%name (params) -> result {`, or `ENTRY %name ...`) and body.
-_COMPUTATION = re.compile(r"^(?:ENTRY )?(%\S+) \(.*?\{\n(.*?)\n\}", re.S | re.M)
 # An instruction's name and (first) result shape: `%x = bf16[2,3]{1,0} op(` or `%x = (bf16[..`
 _RESULT = re.compile(r"^\s*(?:ROOT )?%(\S+) = \(*([a-z]+[0-9]*)\[([0-9,]*)\]", re.M)
 # A computation's root: its shape, its op and first operand.
 _ROOT = re.compile(r"ROOT %\S+ = ([a-z]+[0-9]*)\[([0-9,]*)\]\S* ([\w-]+)\(%([^,)]+)")
-
-
-def _executions(hlo_text: str) -> tuple[dict[str, str], dict[str, int]]:
-    """Each computation's body, and how many times it runs in one execution of the
-    module: the entry once, a `while` body its known trip count times its caller's, a
-    fusion's computation (`calls=`) as often as its caller."""
-    bodies = {m.group(1): m.group(2) for m in _COMPUTATION.finditer(hlo_text)}
-    entry = re.search(r"^ENTRY (%\S+)", hlo_text, re.M)
-    runs = {entry.group(1): 1} if entry else {}
-    pending = list(runs)
-    while pending:
-        name = pending.pop()
-        for line in bodies.get(name, "").splitlines():
-            trips = re.search(r'known_trip_count":\{"n":"([0-9]+)"', line)
-            for key, callee in re.findall(r"\b(calls|body)=(%[\w.-]+)", line):
-                n = runs[name] * (int(trips.group(1)) if key == "body" and trips else 1)
-                if callee not in runs:
-                    pending.append(callee)
-                runs[callee] = runs.get(callee, 0) + n
-    return bodies, runs
 
 
 def _shape(dims: str) -> tuple[int, ...]:
@@ -252,7 +230,7 @@ def slice_copies_gib(hlo_text: str) -> float:
     of a larger array (under `lax.scan`, each layer's weights and saved activations),
     each counted as often as its loop runs. A product that reads a slice in place (XLA's
     dynamic-slice fusion of a cuBLAS call, kind=kCustom) copies none."""
-    bodies, runs = _executions(hlo_text)
+    bodies, runs = C.hlo_executions(hlo_text)
     total = 0
     for name, body in bodies.items():
         for callee in re.findall(r"kind=kLoop, calls=(%[\w.-]+)", body):
@@ -273,7 +251,7 @@ def products(hlo_text: str) -> Counter:
     """How many times a step runs each matrix product (XLA's `dot`s, cuBLAS calls; cuDNN's
     attention aside), by `(output shape, contracted size)`, each counted as often as its
     computation runs."""
-    bodies, runs = _executions(hlo_text)
+    bodies, runs = C.hlo_executions(hlo_text)
     shapes = {m.group(1): _shape(m.group(3)) for m in _RESULT.finditer(hlo_text)}
     found: Counter = Counter()
     for name, body in bodies.items():

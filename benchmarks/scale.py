@@ -351,27 +351,8 @@ def _whole_bytes(tree: Any) -> int:
 KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all")
 
 
-def _trip_counts(text: str) -> dict[str, int]:
-    """How many times each computation runs per step: `while` bodies by their known
-    trip count, nested ones multiplied."""
-    calls = []  # (caller computation, body, trips)
-    current = None
-    for line in text.splitlines():
-        head = re.match(r"^(?:ENTRY )?%?([\w.\-]+) .*\{\s*$", line)
-        if head and not line.startswith(" "):
-            current = head.group(1)
-        m = re.search(r"while\(.*body=%?([\w.\-]+).*known_trip_count\":\{\"n\":\"(\d+)\"", line)
-        if m:
-            calls.append((current, m.group(1), int(m.group(2))))
-    times: dict[str, int] = {}
-    for _ in range(4):  # nesting depth
-        for caller, body, n in calls:
-            times[body] = times.get(caller, 1) * n
-    return times
-
-
 def collective_bytes(text: str) -> dict[str, int]:
-    times = _trip_counts(text)
+    times = {name.lstrip("%"): n for name, n in C.hlo_executions(text)[1].items()}
     out = dict.fromkeys(KINDS, 0)
     current = None
     for line in text.splitlines():
