@@ -536,3 +536,31 @@ def test_remat_dots_recomputes_lorax_rank_expansions_where_hand_written_lora_kee
     extra = sum(2 * seq * S.RANK * out * (lora_x[out] - hand_x[out]) for out in lora_x)
     assert extra > 0 and (lora - hand) * 1e12 == pytest.approx(extra)
     assert all(hand_x[out] <= lora_x[out] <= 2 * hand_x[out] for out in hand_x)
+
+
+CARD_RAW = ROOT / "benchmarks" / "results" / "gpu_raw"
+
+
+@pytest.mark.parametrize("folder", sorted(p.parent.name for p in CARD_RAW.glob("*/assemble.py")))
+def test_card_tables_are_the_cards_outputs_assembled(folder, tmp_path):
+    """The tables of card figures that the docs include are what each `gpu_raw` folder's
+    `assemble.py` makes from the card's outputs as they came back: no figure typed in."""
+    spec = importlib.util.spec_from_file_location(f"_assemble_{folder.replace('-', '_')}",
+                                                  CARD_RAW / folder / "assemble.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.main(tmp_path)
+    made = sorted(p.name for p in tmp_path.iterdir() if p.suffix in (".md", ".csv"))
+    assert any(name.endswith(".md") for name in made)
+    for name in made:
+        assert (tmp_path / name).read_text() == (ROOT / "benchmarks" / "results" / name).read_text(), name
+
+
+def test_the_card_table_is_its_csv_rendered(tmp_path):
+    """`benchmarks/results/accelerator.md` is `--plot-only`'s rendering of the card's CSV."""
+    from benchmarks import accelerator
+
+    results = ROOT / "benchmarks" / "results"
+    (tmp_path / "accelerator.csv").write_bytes((results / "accelerator.csv").read_bytes())
+    accelerator.write_tables(tmp_path)
+    assert (tmp_path / "accelerator.md").read_text() == (results / "accelerator.md").read_text()
