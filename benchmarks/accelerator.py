@@ -55,10 +55,8 @@ from __future__ import annotations
 import json
 import os
 import statistics
-import shutil
 import subprocess
 import sys
-import tempfile
 import textwrap
 import time
 from pathlib import Path
@@ -406,33 +404,19 @@ def _attention(r: dict[str, Any]) -> str:
         r.get("attention", ""))
 
 
-def write_tables(out: Path, run: str = "") -> None:
-    """`accelerator.md` and `.png` from `accelerator.csv` (what `--plot-only` redraws)."""
-    rows = C.read_csv(out / "accelerator.csv")
+def write_tables(out: Path, run: str = "", name: str = "accelerator") -> None:
+    """`NAME.md` and `.png` from `NAME.csv` (what `--plot-only` redraws; another NAME: a
+    table assembled from several commands' outputs, `results/gpu_raw/*/assemble.py`)."""
+    rows = C.read_csv(out / f"{name}.csv")
     facts = {k: next((r[k] for r in rows if r.get(k) not in (None, "")), "")
              for k in ("device", "platform", "jax", "torch", "peft", "transformers")}
     facts["xla_flags"] = run_flags(rows)
     facts["run"] = run or "cells in processes of their own"
     lines = "\n".join(f"- **{k}**: {v}" for k, v in facts.items() if v)
-    (out / "accelerator.md").write_text("\n".join(
+    (out / f"{name}.md").write_text("\n".join(
         [*markdown(rows), "", "<details markdown><summary>Device and run</summary>", "", lines,
          "", "</details>"]) + "\n")
-    C.replot(out, "accelerator", plot)
-
-
-def write_named_tables(out: Path, name: str, rows: list[dict[str, Any]], run: str) -> None:
-    """`NAME.csv`, `.md` and `.png` in `out` from `rows`: a table of card figures assembled
-    from the outputs of several commands (`results/gpu_raw/*/assemble.py`)."""
-    C.write_csv(out / f"{name}.csv", rows)
-    tmp = Path(tempfile.mkdtemp(dir=out))
-    try:
-        shutil.copyfile(out / f"{name}.csv", tmp / "accelerator.csv")
-        write_tables(tmp, run)
-        for ext in ("md", "png"):
-            if (tmp / f"accelerator.{ext}").exists():
-                (tmp / f"accelerator.{ext}").replace(out / f"{name}.{ext}")
-    finally:
-        shutil.rmtree(tmp)
+    C.replot(out, name, plot)
 
 
 COLORS = {"lora": "C0", "hand": "0.55", "full": "C3", "peft": "C1", "qlora": "C2"}

@@ -36,7 +36,8 @@ def main(out: Path = HERE.parents[1], name: str = "accelerator_recipes") -> None
     rows = [r for i in (1, 2, 3, 4) for r in C.read_csv(HERE / f"call{i}.csv")
             if "step_s" in r and r["step_s"] != ""]
     rows = A.with_ratios([{k: v for k, v in r.items() if not k.startswith("vs_")} for r in rows])
-    A.write_named_tables(out, name, rows, RUN)
+    C.write_csv(out / f"{name}.csv", rows)
+    A.write_tables(out, RUN, name)
 
 
 if __name__ == "__main__":

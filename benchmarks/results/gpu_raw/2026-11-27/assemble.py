@@ -16,6 +16,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[3]))
+from benchmarks import _common as C  # noqa: E402
 from benchmarks import accelerator as A  # noqa: E402
 
 
@@ -43,12 +44,14 @@ def main(out=HERE.parents[1]):
         row(b[2], h70, mem_cap_gib=22.0), row(b70[0], d70), row(a1[h70], h70), row(a2[h70], h70),
         row(b[1], h8, mem_cap_gib=4.0), row(b[0], h8, mem_cap_gib=4.0), row(a1[d8], d8)])
     (out / "accelerator_host_traces.json").write_text(json.dumps({h8: b[0]["trace"]}, indent=1))
-    A.write_named_tables(out, "accelerator_host", rows,
-          "one H200 kind, two leases (gpu_raw/2026-11-27), each cell in a process of its own")
+    C.write_csv(out / "accelerator_host.csv", rows)
+    A.write_tables(out, "one H200 kind, two leases (gpu_raw/2026-11-27), each cell in a "
+                   "process of its own", "accelerator_host")
     plain = [row(r, r["cell"], **({"mem_cap_gib": 22.0} if "+host" in r["cell"] else {}))
              for r in csv.DictReader(open(HERE / "host-plain.csv"))]
-    A.write_named_tables(out, "accelerator_qlora", A.with_ratios(plain),
-          "one H200, `bash scripts/card` (2026-11-27, its second run), cells in processes of their own")
+    C.write_csv(out / "accelerator_qlora.csv", A.with_ratios(plain))
+    A.write_tables(out, "one H200, `bash scripts/card` (2026-11-27, its second run), cells in "
+                   "processes of their own", "accelerator_qlora")
 
 
 if __name__ == "__main__":
