@@ -1,4 +1,4 @@
-"""Run the benchmarks (memory, trace time, dispatch, speed, blocks, qlora, variants, moe, adapters, scale, offload, layers, quant_error); results under `benchmarks/results/`.
+"""Run the benchmarks (memory, trace time, dispatch, speed, blocks, qlora, variants, moe, adapters, scale, offload, layers, quant_error, checkpoint_load); results under `benchmarks/results/`.
 
     python -m benchmarks                      # everything, default sizes (~20 min on 2 cores + blocks)
     python -m benchmarks --quick              # smoke run of every benchmark
@@ -22,13 +22,13 @@ if __package__ in (None, ""):
 
 from . import _common as C  # noqa: E402
 from . import scale  # noqa: E402  (first: it asks for 8 simulated devices before JAX starts)
-from . import (adapters, blocks, dispatch, layers, memory, moe, offload, qlora,  # noqa: E402
-               quant_error, speed, trace_time, variants)
+from . import (adapters, blocks, checkpoint_load, dispatch, layers, memory, moe,  # noqa: E402
+               offload, qlora, quant_error, speed, trace_time, variants)
 
 BENCHMARKS = {"memory": memory, "trace_time": trace_time, "dispatch": dispatch, "speed": speed,
               "blocks": blocks, "qlora": qlora, "variants": variants, "moe": moe,
               "adapters": adapters, "scale": scale, "offload": offload, "layers": layers,
-              "quant_error": quant_error}
+              "quant_error": quant_error, "checkpoint_load": checkpoint_load}
 
 
 def main(argv: list[str] | None = None) -> Path:

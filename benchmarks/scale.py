@@ -168,9 +168,10 @@ def build(cfg: Any, method: str, dtype: Any, layers: str = "scan") -> tuple[Any,
     spec = spec_for(params, method)
     if method.startswith("qlora"):
         qtype = method.split("-")[1]
-        # QLoRA's recipe: NF4 with its absmax values quantized too (double quantization).
+        # QLoRA's recipe: NF4 (lorax's or bitsandbytes' layout) with its absmax values
+        # quantized too (double quantization), as Unsloth's `*-bnb-4bit` checkpoints are.
         quantize = _kquantize if qtype in KQUANTS else functools.partial(
-            lorax.quantize, double_quant=qtype == "nf4",
+            lorax.quantize, double_quant=get_format(qtype).double_quantizable,
             scale_dtype=dtype if method.endswith("-bf16") else None)
         params = jax.eval_shape(lambda p: quantize(p, spec, qtype, dtype=dtype), params)
     if method != "full":

@@ -9,6 +9,7 @@ from ._engine import (
 from ._formats import (
     load_gguf as load_gguf,
     load_peft as load_peft,
+    load_safetensors as load_safetensors,
     save_gguf_lora as save_gguf_lora,
     save_peft as save_peft,
 )
@@ -69,6 +70,7 @@ __all__ = [
     "load_adapter",
     "load_gguf",
     "load_peft",
+    "load_safetensors",
     "lora",
     "loraplus",
     "merge_params",

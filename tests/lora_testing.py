@@ -121,3 +121,36 @@ def gguf_blocks(qtype, shape, seed=0, std=None):
     for at, v in zip(fields, mag):
         data[..., at:at + 2] = v.astype(np.float16)[..., None].view(np.uint8)
     return data.reshape(*shape[:-1], -1)
+
+
+_SAFETENSORS_DTYPES = {"float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16",
+                       "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2", "int64": "I64",
+                       "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL"}
+
+
+def write_safetensors(path, tensors, metadata=None):
+    """A safetensors file of numpy arrays, ml_dtypes' (bfloat16, float8) included, which
+    `safetensors.numpy` does not write."""
+    import json
+
+    header, offset = {}, 0
+    for name, x in tensors.items():
+        header[name] = {"dtype": _SAFETENSORS_DTYPES[np.asarray(x).dtype.name],
+                        "shape": list(np.shape(x)), "data_offsets": [offset, offset + np.asarray(x).nbytes]}
+        offset += np.asarray(x).nbytes
+    if metadata:
+        header["__metadata__"] = metadata
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    with open(path, "wb") as f:
+        f.write(len(text).to_bytes(8, "little") + text)
+        for x in tensors.values():
+            f.write(np.ascontiguousarray(x).tobytes())
+
+
+def read_safetensors_all(path):
+    """Every tensor of a safetensors file, in file order (ml_dtypes dtypes included)."""
+    from lorax._formats._safetensors_files import open_checkpoint
+
+    ck = open_checkpoint(path, "test")
+    return {name: ck.read(name) for name in ck.entries}

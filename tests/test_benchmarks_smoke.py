@@ -167,6 +167,20 @@ def test_adapters_quick(tmp_path):
     assert "together / separate" in (tmp_path / "adapters.md").read_text()
 
 
+def test_checkpoint_load_quick(tmp_path):
+    """A sharded bf16 checkpoint quantized on load, and read whole then quantized: each
+    measured in its own process; the table and its columns are written."""
+    from benchmarks import checkpoint_load
+
+    checkpoint_load.main(["--quick", "--out", str(tmp_path)])
+    rows = {r["case"]: r for r in _rows(tmp_path / "checkpoint_load_quick.csv")}
+    assert set(rows) == {"nf4", "nf4-dq", "dense-then-quantize"}
+    # The same codes either way, and fewer bytes with double quantization.
+    assert rows["nf4"]["result_mib"] == rows["dense-then-quantize"]["result_mib"]
+    assert float(rows["nf4-dq"]["result_mib"]) < float(rows["nf4"]["result_mib"])
+    assert "peak / bound" in (tmp_path / "checkpoint_load_quick.md").read_text()
+
+
 def test_offload_quick(tmp_path):
     """The tiny Llama's QLoRA step exported for `cuda`, on the device and in host memory:
     the same bytes of arguments, moved into loop bodies only when offloaded."""

@@ -106,7 +106,7 @@ def test_nf4_double_quantization_saves_bytes_and_stays_close():
     dq = lorax.QuantizedArray.from_dense(w, "nf4", double_quant=True)
     assert dq.nbytes < plain.nbytes and dq.scales.dtype == jnp.uint8
     absmax = np.asarray(plain.scales)
-    got = np.asarray(F.double_dequantize(dq.scales, dq.scale_scales, dq.scale_offset))
+    got = np.asarray(F.double_dequantize(dq.format, dq.scales, dq.scale_scales, dq.scale_offset))
     assert np.abs(got - absmax).max() <= (absmax.max() - absmax.min()) / 127
     assert_close(dq.dequantize(), plain.dequantize(), rtol=0.05)
 
@@ -457,7 +457,7 @@ def test_save_adapter_and_load_it_onto_a_quantized_base(tmp_path):
 
 def test_bad_input_names_the_key_path():
     params, spec, _ = _mlp()
-    with pytest.raises(ValueError, match="unknown qtype 'nf5'.*int8, int4, nf4, s4, q4_0, q4_1, q5_0, q5_1, q8_0, q2_k, q3_k, q4_k, q5_k, q6_k"):
+    with pytest.raises(ValueError, match="unknown qtype 'nf5'.*int8, int4, nf4, s4, q4_0, q4_1, q5_0, q5_1, q8_0, q2_k, q3_k, q4_k, q5_k, q6_k, bnb_nf4, bnb_fp4, bnb_int8, fp8_e4m3, int4_zp"):
         lorax.quantize(params, spec, "nf5")
     with pytest.raises(ValueError, match=r"'l1/kernel'.*\(64, 64\).*block size 24"):
         lorax.quantize(params, spec, "nf4", block_size=24)

@@ -71,7 +71,8 @@ def _step_memory(kind, scan, qtype="nf4"):
     return m.temp_size_in_bytes, m.argument_size_in_bytes
 
 
-@pytest.mark.parametrize("qtype", ["nf4", "q4_1", "int8", "q5_0", "q4_k", "q6_k"])
+@pytest.mark.parametrize("qtype", ["nf4", "q4_1", "int8", "q5_0", "q4_k", "q6_k", "bnb_nf4",
+                                   "bnb_int8", "fp8_e4m3", "int4_zp"])
 def test_scanned_qlora_step_keeps_at_most_one_more_dense_layer(qtype):
     dense_temp, dense_args = _step_memory("dense", True)
     q_temp, q_args = _step_memory("quant", True, qtype)
@@ -100,7 +101,8 @@ def test_unrolled_naive_dequantize_then_dot_holds_the_whole_base():
     assert naive_temp - dense_temp >= 0.5 * L * LAYER, ((naive_temp - dense_temp) / LAYER)
 
 
-@pytest.mark.parametrize("qtype", ["q5_1", "q2_k", "q3_k", "q5_k"])
+@pytest.mark.parametrize("qtype", ["q5_1", "q2_k", "q3_k", "q5_k", "bnb_fp4", "fp8_e4m3",
+                                   "int4_zp"])
 def test_no_dense_base_among_the_saved_residuals(qtype):
     """What the forward pass keeps for the backward pass: the quantized leaves, never a
     dense (D, D) weight (the backward pass dequantizes again)."""

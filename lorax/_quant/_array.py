@@ -240,17 +240,19 @@ class QuantizedArray(_engine.ArrayValue, metaclass=_engine.FastPytreeMeta):
             None if leaf is None else _place(leaf, NamedSharding(sharding.mesh, spec))
             for leaf, spec in zip(self.leaves(), specs)])
 
-    def dequantize_storage(self) -> Array:
-        """The dense value with the block axis last (`storage_shape`), in `dense_dtype`."""
+    def dequantize_storage(self, dtype: Any = None) -> Array:
+        """The dense value with the block axis last (`storage_shape`), in `dtype`
+        (default `dense_dtype`), rounded once from the float32 values."""
+        dtype = self.dense_dtype if dtype is None else jnp.dtype(dtype)
         # Host-resident leaves (`lorax.offload_frozen`) are read in device memory.
         codes, scales, mins, ss, so = map(on_device, (self.codes, self.scales, self.mins,
                                                       self.scale_scales, self.scale_offset))
         if ss is not None:
-            scales = F.double_dequantize(scales, ss, so)
-        elif self.scaled_in_dense_dtype:  # the same values, in the form a GPU GEMM fuses
-            return F.scaled_blocks(codes, scales)
+            scales = F.double_dequantize(self.format, scales, ss, so)
+        elif self.scaled_in_dense_dtype and dtype == self.dense_dtype:
+            return F.scaled_blocks(codes, scales)  # the same values, in the form a GPU GEMM fuses
         w = F.dequantize_blocks(self.format, codes, scales, mins)
-        return w.astype(self.dense_dtype)
+        return w.astype(dtype)
 
     @property
     def scaled_in_dense_dtype(self) -> bool:
@@ -266,14 +268,15 @@ class QuantizedArray(_engine.ArrayValue, metaclass=_engine.FastPytreeMeta):
         **Arguments:**
 
         - `dtype`: the result's dtype (default: `dense_dtype`, the quantized weight's
-          own).
+          own). The values are computed in float32 and rounded once to it, so
+          `dequantize(jnp.float32)` is the exact float32 value even where `dense_dtype`
+          is bfloat16.
 
         **Returns:**
 
         An array of shape `self.shape`.
         """
-        w = jnp.moveaxis(self.dequantize_storage(), -1, self.axis)
-        return w if dtype is None else w.astype(dtype)
+        return jnp.moveaxis(self.dequantize_storage(dtype), -1, self.axis)
 
     materialized_as = "dequantized to a dense array"
 
@@ -301,12 +304,15 @@ class QuantizedArray(_engine.ArrayValue, metaclass=_engine.FastPytreeMeta):
 
         - `w`: a floating-point array with at least two axes.
         - `qtype`: one of `"int8"`, `"int4"`, `"s4"`, `"nf4"`, `"q4_0"`, `"q4_1"`, `"q5_0"`,
-          `"q5_1"`, `"q8_0"` (the K-quants `"q2_k"` .. `"q6_k"` have no quantizer in
-          lorax: wrap GGUF blocks with `from_gguf` or [`lorax.load_gguf`][]).
+          `"q5_1"`, `"q8_0"`, or a Hugging Face checkpoint's `"bnb_nf4"`, `"bnb_fp4"`,
+          `"bnb_int8"`, `"fp8_e4m3"`, `"int4_zp"` (see [`lorax.quantize`][]; the K-quants
+          `"q2_k"` .. `"q6_k"` have no quantizer in lorax: wrap GGUF blocks with
+          `from_gguf` or [`lorax.load_gguf`][]).
         - `block_size`: values per block along `axis` (default: the format's; `int8` is
           one block per output channel; the GGUF types are fixed at 32).
         - `axis`: the block axis (default `-2`, an `(in, out)` kernel's input axis).
-        - `double_quant`: NF4 only: also quantize the absmax values (8 bits, blocks of 256).
+        - `double_quant`: NF4, `bnb_nf4`, `bnb_fp4` only: also quantize the absmax values
+          (8 bits, blocks of 256).
         - `dtype`: the dense value's dtype (default `w`'s).
         - `scale_dtype`: the dtype the scales are stored in (default the format's:
           float32, float16 for GGUF's types, which cannot change). `int8` or `s4` with
@@ -451,8 +457,10 @@ def check_quantizable(fmt: F.Format, shape: tuple[int, ...], dtype: Any, axis: i
             f"not a multiple of the {fmt.name} block size {bs}"
             + (" (4-bit blocks need an even size)" if fmt.bits == 4 and bs % 2 else "")
             + ". Pass another block_size (or leave this weight dense with LORA_FULL).")
-    if double_quant and fmt.name != "nf4":
-        raise ValueError(f"quantize: double_quant is NF4's; got qtype {fmt.name!r}.")
+    if double_quant and not fmt.double_quantizable:
+        kinds = ", ".join(n for n, f in F.FORMATS.items() if f.double_quantizable)
+        raise ValueError(f"quantize: double_quant is for the absmax-scaled 4-bit types "
+                         f"({kinds}); got qtype {fmt.name!r}.")
     if scale_dtype is not None:
         check_scale_dtype(fmt, scale_dtype, double_quant, where)
 
@@ -498,7 +506,7 @@ def _quantize_leaves(w: Array, qtype: str, block_size: int, axis: int,
     d = d.astype(stored)
     m = None if m is None else m.astype(stored)
     if double_quant:
-        dq, ds, off = F.double_quantize(d.astype(jnp.float32))
+        dq, ds, off = F.double_quantize(d.astype(jnp.float32), fmt.double_code)
         return codes, dq, m, ds, off
     return codes, d, m, None, None
 

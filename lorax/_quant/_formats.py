@@ -52,10 +52,46 @@ NF4_CODE = np.array(
     np.float32,
 )
 
-# bitsandbytes double-quantizes NF4's absmax values in blocks of 256 (8-bit codes of
-# absmax - mean). lorax's second level is linear int8 per 256 values rather than
-# bitsandbytes' 8-bit dynamic map: the same bytes, a simpler code book.
+# bitsandbytes' FP4 code book (`get_4bit_type("fp4")`): 1 sign, 2 exponent and 1
+# mantissa bits, in bit-pattern order (not sorted), scaled to [-1, 1]. Code 8 is +0:
+# bitsandbytes writes it as the integer `-0`.
+FP4_CODE = np.array([0, 0.0625, 8, 12, 4, 6, 2, 3, 0, -0.0625, -8, -12, -4, -6, -2, -3],
+                    np.float32) / np.float32(12)
+
+# Double quantization stores NF4's absmax values as 8-bit codes of absmax - mean, in
+# groups of 256 with one float32 scale each. lorax's own second level is linear int8
+# (`code - 128`); bitsandbytes' (its `*-bnb-4bit` checkpoints) looks the code up in its
+# 8-bit dynamic map: the same bytes, another code book.
 DOUBLE_QUANT_BLOCK = 256
+
+# bitsandbytes' `create_dynamic_map(signed=True)` as stored in its checkpoints
+# (`nested_quant_map`): 256 little-endian float32s. Kept as its bits, not recomputed:
+# torch's float32 `linspace` rounds differently from NumPy's. Checked against
+# bitsandbytes itself (scripts/test-checkpoints) and the fixtures' maps (tests/formats).
+BNB_DYNAMIC_CODE = np.frombuffer(bytes.fromhex(
+    "33337ebf9a997abf000077bf666673bfcdcc6fbf33336cbf9a9968bf000065bf666661bfcdcc5dbf33335abf9a9956bf"
+    "000053bf66664fbfcdcc4bbf333348bf9a9944bf000041bf66663dbfcdcc39bf343336bf9a9932bf00002fbf66662bbf"
+    'cdcc27bf343324bf9a9920bf00001dbf666619bfcdcc15bf343312bf9a990ebf00000bbf666607bfcccc03bf333300bf'
+    '3233f9be0000f2becccceabe9a99e3be6666dcbe3333d5be0000cebeccccc6be9a99bfbe6666b8be3333b1be0000aabe'
+    'cccca2be9a999bbe666694be34338dbe000086be99997dbe33336fbecdcc60be666652be000044be9a9935be333327be'
+    'cdcc18be66660abe0000f8bd3433dbbd85ebc9bdf728c4bd6766bebdd7a3b8bd48e1b2bdb81eadbd2a5ca7bd9a99a1bd'
+    '0ad79bbd7b1496bdeb5190bd5d8f8abdcdcc84bd7b147ebd5d8f72bd3d0a67bd1f855bbd000050bde17a44bdc3f538bd'
+    'a3702dbd85eb21bd676616bd48e10abd52b8febc15aee7bcd7a3d0bc9a99b9bc5d8fa2bc1f858bbcc3f568bc48e13abc'
+    '643b1fbc180416bccdcc0cbc819503bc6abcf4bbd34de2bb3bdfcfbba470bdbb0d02abbb749398bbdd2486bb8a6c67bb'
+    '5c8f42bb2db21dbbfca9f1ba9defa7baff6577ba3ee859ba806a3cbac1ec1eba016f01ba83e2c7b905e78cb90bd723b9'
+    '4b1fbab8b3ef8ab8348037b80642b2b7ff0502b7941a5ab6b7a313b500000000b7a31335941a5a36ff0502370642b237'
+    '34803738b3ef8a384b1fba380bd7233905e78c3983e2c739016f013ac1ec1e3a806a3c3a3ee8593aff65773a9defa73a'
+    'fca9f13a2db21d3b5c8f423b8a6c673bdd24863b7493983b0d02ab3ba470bd3b3bdfcf3bd34de23b6abcf43b8195033c'
+    'cdcc0c3c1804163c643b1f3c48e13a3cc3f5683c1f858b3c5d8fa23c9a99b93cd7a3d03c15aee73c52b8fe3c48e10a3d'
+    '6766163d85eb213da3702d3dc3f5383de17a443d0000503d1f855b3d3d0a673d5d8f723d7b147e3dcdcc843d5d8f8a3d'
+    'eb51903d7b14963d0ad79b3d9a99a13d2a5ca73db81ead3d48e1b23dd7a3b83d6766be3df728c43d85ebc93d3433db3d'
+    '0000f83d66660a3ecdcc183e3333273e9a99353e0000443e6666523ecdcc603e33336f3e99997d3e0000863e34338d3e'
+    '6666943e9a999b3ecccca23e0000aa3e3333b13e6666b83e9a99bf3eccccc63e0000ce3e3333d53e6666dc3e9a99e33e'
+    'ccccea3e0000f23e3233f93e3333003fcccc033f6666073f00000b3f9a990e3f3433123fcdcc153f6666193f00001d3f'
+    '9a99203f3433243fcdcc273f66662b3f00002f3f9a99323f3433363fcdcc393f66663d3f0000413f9a99443f3333483f'
+    'cdcc4b3f66664f3f0000533f9a99563f33335a3fcdcc5d3f6666613f0000653f9a99683f33336c3fcdcc6f3f6666733f'
+    '0000773f9a997a3f33337e3f0000803f'
+), "<f4").astype(np.float32)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,6 +122,10 @@ class Format:
       -> values (..., n_blocks, block)` for the K-quants, whose codes are read together
       with per-sub-block scales.
     - `record`: where `d`, `m` and the codes sit in one GGUF block (GGUF types only).
+    - `code_type`: the codes' dtype where it is not the one `bits` implies (FP8's
+      bytes, `uint8`).
+    - `double_code`: the second level of double quantization: `None` for lorax's linear
+      int8 (`code - 128`), else a 256-entry table (bitsandbytes' dynamic map).
     """
 
     name: str
@@ -99,6 +139,8 @@ class Format:
     has_mins: bool = False
     decode: Callable[[Array, Array, Array | None], Array] | None = None
     record: "Record | None" = None
+    code_type: Any = None
+    double_code: np.ndarray | None = None
 
     def code_bytes(self, block_size: int) -> int:
         """The codes' last axis per block: bytes, or `int4` elements (`element_codes`)."""
@@ -108,6 +150,8 @@ class Format:
 
     @property
     def code_dtype(self) -> Any:
+        if self.code_type is not None:
+            return self.code_type
         if self.packing == "int4":
             return jnp.int4
         return jnp.int8 if self.bits == 8 else jnp.uint8
@@ -116,6 +160,11 @@ class Format:
     def element_codes(self) -> bool:
         """One code per element of `codes` (8-bit codes, `int4` ones)."""
         return self.bits == 8 or self.packing == "int4"
+
+    @property
+    def double_quantizable(self) -> bool:
+        """Its scales may be double-quantized (NF4's absmax values, bitsandbytes' 4-bit)."""
+        return self.name == "nf4" or self.double_code is not None
 
     @property
     def native(self) -> bool:
@@ -201,6 +250,50 @@ def _q_nf4(blocks: Array, stored: Callable[[Array], Array] = _stored) -> tuple[A
     return q.astype(jnp.uint8), absmax, None
 
 
+def _nearest(table: np.ndarray, normed: Array) -> Array:
+    """The index into `table` (any order) of the entry nearest each of `normed`."""
+    order = np.argsort(table, kind="stable")
+    ranked = table[order]
+    rank = jnp.sum(normed[..., None] > jnp.asarray((ranked[1:] + ranked[:-1]) / 2), axis=-1)
+    return jnp.asarray(order.astype(np.uint8))[rank]
+
+
+def _q_table(table: np.ndarray) -> Callable[..., tuple[Array, Array, None]]:
+    """Absmax scaling onto a 4-bit code book (bitsandbytes' NF4 and FP4)."""
+    def quantize(blocks: Array, stored: Callable[[Array], Array] = _stored) -> tuple[Array, Array, None]:
+        absmax = stored(_absmax(blocks))
+        return _nearest(table, blocks * _safe_inverse(absmax)[..., None]), absmax, None
+    return quantize
+
+
+def _q_bnb_int8(blocks: Array, stored: Callable[[Array], Array] = _stored) -> tuple[Array, Array, None]:
+    # LLM.int8's row-wise absmax (`SCB`) is the stored scale; the value is `q * SCB / 127`.
+    scb = stored(_absmax(blocks))
+    q = jnp.clip(jnp.round(blocks * (127.0 * _safe_inverse(scb))[..., None]), -127, 127)
+    return q.astype(jnp.int8), scb, None
+
+
+FP8_E4M3_MAX = 448.0
+
+
+def _q_fp8(blocks: Array, stored: Callable[[Array], Array] = _stored) -> tuple[Array, Array, None]:
+    d = stored(_absmax(blocks) / FP8_E4M3_MAX)
+    q = jnp.clip(blocks * _safe_inverse(d)[..., None], -FP8_E4M3_MAX, FP8_E4M3_MAX)
+    return lax.bitcast_convert_type(q.astype(jnp.float8_e4m3fn), jnp.uint8), d, None
+
+
+def _q_int4_zp(blocks: Array, stored: Callable[[Array], Array] = _stored) -> tuple[Array, Array, Array]:
+    # Asymmetric, as GPTQ and AWQ store it: codes 0..15 and an integer zero point per
+    # block, so 0.0 is exact when the range holds it.
+    hi = jnp.maximum(jnp.max(blocks, axis=-1), 0.0)
+    lo = jnp.minimum(jnp.min(blocks, axis=-1), 0.0)
+    d = stored((hi - lo) / 15.0)
+    inv = _safe_inverse(d)
+    z = jnp.clip(jnp.round(-lo * inv), 0, 15)
+    q = jnp.clip(jnp.round(blocks * inv[..., None]) + z[..., None], 0, 15)
+    return q.astype(jnp.uint8), d, z.astype(jnp.uint8)
+
+
 def _q_q4_0(blocks: Array) -> tuple[Array, Array, None]:
     d = _signed_extreme(blocks) / -8.0  # ggml's choice
     q = jnp.clip(jnp.trunc(blocks * _safe_inverse(d)[..., None] + 8.5), 0, 15)
@@ -247,6 +340,45 @@ def _v_nf4(q: Array, d: Array, m: Array | None) -> Array:
     # and keeps: 16 dense weights' worth.)
     code = jnp.take(jnp.asarray(NF4_CODE), q.astype(jnp.int32), mode="clip")
     return code * d[..., None]
+
+
+def _v_table(table: np.ndarray) -> Callable[[Array, Array, Array | None], Array]:
+    def value(q: Array, d: Array, m: Array | None) -> Array:
+        return jnp.take(jnp.asarray(table), q.astype(jnp.int32), mode="clip") * d[..., None]
+    return value
+
+
+# bitsandbytes multiplies by this float32 rather than dividing by 127, after the scale:
+# `A * SCB * 7.874015718698502e-3` (its `int8_vectorwise_dequant`), two roundings.
+_BNB_INT8_STEP = np.float32(7.874015718698502e-3)
+
+
+def _v_bnb_int8(q: Array, d: Array, m: Array | None) -> Array:
+    return (q * d[..., None]) * _BNB_INT8_STEP
+
+
+def _e4m3(codes: Array) -> Array:
+    """float8_e4m3fn codes, held as their bytes (uint8), -> float32, exactly. (Held as
+    `float8_e4m3fn`, XLA:CPU widens the array whole to float16 before a loop that slices
+    it: a scanned stack of FP8 weights then held two bytes per weight at once.)"""
+    b = codes.astype(jnp.uint32)
+    e, m = (b >> 3) & 0xF, b & 0x7
+    sign = (b >> 7) << 31
+    normal = lax.bitcast_convert_type(sign | ((e + 120) << 23) | (m << 20), jnp.float32)
+    tiny = lax.bitcast_convert_type(sign | lax.bitcast_convert_type(
+        m.astype(jnp.float32) * np.float32(2.0**-9), jnp.uint32), jnp.float32)
+    nan = (e == 15) & (m == 7)  # e4m3fn has no infinities; S.1111.111 is NaN
+    return jnp.where(e == 0, tiny, jnp.where(nan, jnp.nan, normal))
+
+
+def _d_fp8(codes: Array, d: Array, m: Array | None) -> Array:
+    return _e4m3(codes) * d[..., None]
+
+
+def _v_zero_point(q: Array, d: Array, m: Array | None) -> Array:
+    # `(q - z) * s` as GPTQ, AWQ and compressed-tensors compute it: the difference of
+    # two small integers is exact, so one rounding, of the product.
+    return (q - m[..., None]) * d[..., None]
 
 
 def _v_q4_1(q: Array, d: Array, m: Array | None) -> Array:
@@ -370,6 +502,23 @@ FORMATS: dict[str, Format] = {
         _gguf("q4_k", 256, 4, "k", None, None, Record(144, 0, 2, 4), _k_q4_k),
         _gguf("q5_k", 256, 5, "k", None, None, Record(176, 0, 2, 4), _k_q5_k),
         _gguf("q6_k", 256, 6, "k", None, None, Record(210, 208, None, 0), _k_q6_k),
+        # Hugging Face checkpoints' types (lorax/_formats/hf_quant.py reads them as stored).
+        # bitsandbytes: NF4 / FP4 with its dynamic map as the double quantization's
+        # second level, and LLM.int8 (row-wise `SCB`).
+        Format("bnb_nf4", 64, False, 4, "pairs", jnp.float32, _q_table(NF4_CODE), _v_nf4,
+               double_code=BNB_DYNAMIC_CODE),
+        Format("bnb_fp4", 64, False, 4, "pairs", jnp.float32, _q_table(FP4_CODE),
+               _v_table(FP4_CODE), double_code=BNB_DYNAMIC_CODE),
+        Format("bnb_int8", None, False, 8, None, jnp.float32, _q_bnb_int8, _v_bnb_int8),
+        # FP8 e4m3 codes (their bytes, as uint8) times a scale per block (DeepSeek-V3's
+        # 128x128 blocks come as blocks along the input axis, their scale repeated for
+        # each row of the block).
+        Format("fp8_e4m3", 128, False, 8, None, jnp.float32, _q_fp8, _v_scaled,
+               decode=_d_fp8, code_type=jnp.uint8),
+        # Unsigned 4-bit codes with an integer zero point per block in `mins` (GPTQ, AWQ,
+        # compressed-tensors' asymmetric int4).
+        Format("int4_zp", 128, False, 4, "pairs", jnp.float16, _q_int4_zp, _v_zero_point,
+               has_mins=True),
     )
 }
 
@@ -404,6 +553,8 @@ def pack(fmt: Format, q: Array) -> Array:
 
 def unpack(fmt: Format, codes: Array) -> Array:
     """Stored codes `(..., code_bytes)` -> float32 codes `(..., block)`."""
+    if fmt.decode is _d_fp8:
+        return _e4m3(codes)
     if fmt.element_codes:
         return codes.astype(jnp.float32)
     if fmt.packing == "q5":
@@ -424,10 +575,11 @@ def _dq_groups(n: int) -> int:
     return -(-n // DOUBLE_QUANT_BLOCK)
 
 
-def double_quantize(absmax: Array) -> tuple[Array, Array, Array]:
+def double_quantize(absmax: Array, table: np.ndarray | None = None) -> tuple[Array, Array, Array]:
     """`absmax (*lead, R, n_blocks)` -> `(codes uint8 (*lead, R, n_blocks), scales
-    (*lead, G), offset (*lead, 1))`: int8 codes of `absmax - mean` (stored +128) in
-    groups of 256 along the flattened last two axes."""
+    (*lead, G), offset (*lead, 1))`: 8-bit codes of `absmax - mean` in groups of 256
+    along the flattened last two axes: int8 stored +128, or (`table`) the index of the
+    nearest entry of a code book in [-1, 1] (bitsandbytes' dynamic map)."""
     lead, tail = absmax.shape[:-2], absmax.shape[-2:]
     flat = absmax.reshape(*lead, -1)
     n = flat.shape[-1]
@@ -436,15 +588,28 @@ def double_quantize(absmax: Array) -> tuple[Array, Array, Array]:
     g = _dq_groups(n)
     padded = jnp.pad(centred, [(0, 0)] * len(lead) + [(0, g * DOUBLE_QUANT_BLOCK - n)])
     groups = padded.reshape(*lead, g, DOUBLE_QUANT_BLOCK)
-    s = jnp.max(jnp.abs(groups), axis=-1) / 127.0
-    q = jnp.clip(jnp.round(groups * _safe_inverse(s)[..., None]), -127, 127) + 128
+    if table is None:
+        s = jnp.max(jnp.abs(groups), axis=-1) / 127.0
+        q = jnp.clip(jnp.round(groups * _safe_inverse(s)[..., None]), -127, 127) + 128
+    else:
+        s = jnp.max(jnp.abs(groups), axis=-1)
+        q = _nearest(table, groups * _safe_inverse(s)[..., None])
     codes = q.reshape(*lead, -1)[..., :n].reshape(*lead, *tail)
     return codes.astype(jnp.uint8), s, offset
 
 
-def double_dequantize(codes: Array, scales: Array, offset: Array) -> Array:
+def second_level(fmt: Format, codes: Array) -> Array:
+    """Double quantization's 8-bit codes as float32 values before their group's scale."""
+    if fmt.double_code is None:
+        return codes.astype(jnp.float32) - 128.0
+    return jnp.take(jnp.asarray(fmt.double_code), codes.astype(jnp.int32), mode="clip")
+
+
+def double_dequantize(fmt: Format, codes: Array, scales: Array, offset: Array) -> Array:
+    """The absmax values of `double_quantize`'s `(codes, scales, offset)`, float32:
+    `value(code) * scale + offset`, in that order (bitsandbytes' too)."""
     lead, tail = codes.shape[:-2], codes.shape[-2:]
-    flat = codes.reshape(*lead, -1).astype(jnp.float32) - 128.0
+    flat = second_level(fmt, codes.reshape(*lead, -1))
     n = flat.shape[-1]
     g = scales.shape[-1]
     padded = jnp.pad(flat, [(0, 0)] * len(lead) + [(0, g * DOUBLE_QUANT_BLOCK - n)])
@@ -463,7 +628,7 @@ def scales_in_dense_dtype(fmt: Format, scale_dtype: Any, dense_dtype: Any) -> bo
     then reads the int8 or int4 codes and no dense weight is written. A float32 product cast
     afterwards, or any further operation on the codes, is not fused."""
     dense = jnp.dtype(dense_dtype)
-    return (fmt.value is _v_scaled and fmt.element_codes
+    return (fmt.value is _v_scaled and fmt.element_codes and fmt.decode is None
             and jnp.issubdtype(dense, jnp.floating) and dense.itemsize == 2
             and jnp.dtype(scale_dtype) == dense)
 
@@ -505,7 +670,8 @@ def value_at(fmt: Format, codes: Array, scales: Array, mins: Array | None, pos: 
 
 def _code_at(fmt: Format, codes: Array, pos: Array, block_size: int) -> Array:
     if fmt.element_codes:
-        return lax.dynamic_index_in_dim(codes, pos, codes.ndim - 1, keepdims=False).astype(jnp.float32)
+        code = lax.dynamic_index_in_dim(codes, pos, codes.ndim - 1, keepdims=False)
+        return _e4m3(code) if fmt.decode is _d_fp8 else code.astype(jnp.float32)
     if fmt.packing == "halves":
         byte, high = pos % (block_size // 2), pos >= block_size // 2
     else:

@@ -78,10 +78,16 @@ def quantize(
       `"q4_0"`, `"q4_1"`, `"q5_0"`, `"q5_1"`, `"q8_0"` (blocks of 32, as llama.cpp's
       reference quantizer writes them). GGUF's K-quants (`"q2_k"` ..
       `"q6_k"`) are read from files ([`lorax.load_gguf`][]), not quantized here.
+      Hugging Face checkpoints' layouts ([`lorax.load_safetensors`][]): `"bnb_nf4"`,
+      `"bnb_fp4"` (bitsandbytes, blocks of 64), `"bnb_int8"` (LLM.int8, per row),
+      `"fp8_e4m3"` (FP8 codes, blocks of 128), `"int4_zp"` (4-bit codes with a zero
+      point per block of 128, as GPTQ and AWQ store them; scales float16).
     - `block_size`: values per block (not for the GGUF types, whose blocks are 32).
     - `dtype`: the dtype the weights dequantize to (default: each leaf's own).
-    - `double_quant`: NF4 only: also quantize the per-block absmax values (8 bits per
-      256 of them), as QLoRA does: 0.127 instead of 0.141 bytes per f32 byte.
+    - `double_quant`: NF4 (and `bnb_nf4`, `bnb_fp4`) only: also quantize the per-block
+      absmax values (8 bits per 256 of them), as QLoRA does: 0.127 instead of 0.141
+      bytes per f32 byte. lorax's NF4 codes them as linear int8, bitsandbytes' types
+      with bitsandbytes' dynamic map.
     - `scale_dtype`: the dtype the scales are stored in (default float32; GGUF's types
       keep float16). `"int8"` or `"s4"` with `scale_dtype` equal to a bfloat16 or
       float16 `dtype` dequantizes as one product in that dtype, bit for bit the float32

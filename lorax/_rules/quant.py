@@ -378,7 +378,7 @@ def _lookup_one(qa: QuantizedArray, start_index_map: Sequence[int], idx: Array) 
     other = [d for d in range(qa.ndim) if d != block]  # storage axis i holds logical other[i]
     codes, scales, mins = qa.codes, qa.scales, qa.mins
     if qa.scale_scales is not None:
-        scales = F.double_dequantize(scales, qa.scale_scales, qa.scale_offset)
+        scales = F.double_dequantize(fmt, scales, qa.scale_scales, qa.scale_offset)
     pos = None
     # Index the storage axes from the last to the first, so positions stay valid.
     for d, i in sorted(zip(start_index_map, idx), key=lambda t: -t[0]):
@@ -528,7 +528,7 @@ def _single_scales(qa: QuantizedArray) -> QuantizedArray:
     its blocks can be cut anywhere."""
     if qa.scale_scales is None:
         return qa
-    scales = F.double_dequantize(*map(on_device, (qa.scales, qa.scale_scales, qa.scale_offset)))
+    scales = F.double_dequantize(qa.format, *map(on_device, (qa.scales, qa.scale_scales, qa.scale_offset)))
     return _rebuild(qa, (qa.codes, scales, qa.mins, None, None))
 
 

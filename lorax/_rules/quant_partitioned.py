@@ -63,17 +63,18 @@ def _rule(plan: Any, kinds: tuple[str, ...], const_ndims: tuple[int, ...]) -> st
     return f"{', '.join([side(plan.xl), *(leaf[k] for k in kinds), *consts])} -> {side(plan.out)}"
 
 
-def _double_dequantized(codes: Array, ss: Array, so: Array, where: tuple | None) -> Array:
+def _double_dequantized(fmt: F.Format, codes: Array, ss: Array, so: Array,
+                        where: tuple | None) -> Array:
     """`F.double_dequantize` of this device's block `(*lead, R, n_blocks)` of the absmax
     codes: `where` is `(first row, first block, blocks in all)` along the last two
     axes, over which the groups of 256 run (`None`: the whole array)."""
     if where is None:
-        return F.double_dequantize(codes, ss, so)
+        return F.double_dequantize(fmt, codes, ss, so)
     r0, b0, n_blocks = where
     rows, blocks = codes.shape[-2:]
     flat = (r0 + jnp.arange(rows))[:, None] * n_blocks + (b0 + jnp.arange(blocks))[None, :]
     scale = jnp.take(ss, flat // F.DOUBLE_QUANT_BLOCK, axis=-1)
-    return (codes.astype(jnp.float32) - 128.0) * scale + so[..., None]
+    return F.second_level(fmt, codes) * scale + so[..., None]
 
 
 def _compute(plan: Any, kinds: tuple[str, ...], x: Array, leaves: tuple,
@@ -81,7 +82,8 @@ def _compute(plan: Any, kinds: tuple[str, ...], x: Array, leaves: tuple,
     meta, got = plan.meta, dict(zip(kinds, leaves))
     scales = got["scales"]
     if "scale_scales" in got:
-        scales = _double_dequantized(scales, got["scale_scales"], got["scale_offset"], where)
+        scales = _double_dequantized(F.FORMATS[meta.qtype], scales, got["scale_scales"],
+                                     got["scale_offset"], where)
     w = QuantizedArray(got["codes"], scales, got.get("mins"), qtype=meta.qtype,
                        block_size=meta.block_size, axis=meta.axis,
                        dense_dtype=meta.dense_dtype).dequantize_storage()

@@ -18,7 +18,10 @@ import json
 import math
 import os
 import re
+import shutil
 import struct
+import tempfile
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -373,3 +376,65 @@ def test_the_unmutated_files_load(valid_files, tmp_path):
     _gguf_model(tmp_path / "model.gguf")
     tensors, _ = lorax.load_gguf(tmp_path / "model.gguf")
     assert tensors["blk.0.attn_q.weight"].qtype == "q4_k"
+
+
+# -- Hugging Face checkpoints: load_safetensors ---------------------------------------------
+
+CHECKPOINTS = Path(__file__).resolve().parent.parent / "data" / "checkpoints"
+FUZZED_CHECKPOINTS = ["bnb_nf4_dq", "bnb_int8", "fp8_block", "gptq_asym", "awq_gemm",
+                      "ct_int4_asym", "ct_fp8_tensor", "bf16_sharded"]
+
+
+def _checkpoint_copy(case: str, d: Path) -> Path:
+    if not d.exists():
+        shutil.copytree(CHECKPOINTS / case, d, ignore=shutil.ignore_patterns("reference.*"))
+    return d
+
+
+@st.composite
+def checkpoint_mutations(draw, d: Path) -> None:
+    """One change to a copied checkpoint: a shard's bytes (as `mutations`), a field of its
+    `config.json` or `quantization_config`, or an entry of its index."""
+    shards = sorted(d.glob("*.safetensors"))
+    kind = draw(st.sampled_from(["shard", "config", "quantization_config", "index"]))
+    if kind == "shard" or not (d / "config.json").exists():
+        shard = draw(st.sampled_from(shards))
+        shard.write_bytes(draw(mutations(shard.read_bytes())))
+        return
+    path = d / ("model.safetensors.index.json" if kind == "index" else "config.json")
+    if not path.exists():
+        path = d / "config.json"
+    data = json.loads(path.read_text())
+    target = data.get("weight_map") if kind == "index" else data.get("quantization_config", data)
+    if kind == "config" or not isinstance(target, dict) or not target:
+        target = data
+    key = draw(st.sampled_from(sorted(target)) | st.sampled_from(["dtype", "group_size", "bits"]))
+    target[key] = draw(json_values | st.sampled_from(ODD_NUMBERS) | st.sampled_from(
+        ["../outside.safetensors", "/etc/passwd", shards[0].name]))
+    path.write_text(json.dumps(data))
+
+
+@pytest.mark.parametrize("case", FUZZED_CHECKPOINTS)
+@settings(max_examples=THOROUGH or settings.default.max_examples, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(data=st.data())
+def test_mutated_hugging_face_checkpoints(tmp_path, case, data):
+    """`load_safetensors` on a damaged or lying checkpoint (a real library's, one thing
+    changed): a `ValueError` naming a file of the checkpoint, or tensors whose values fit
+    their shapes, never another exception."""
+    d = Path(tempfile.mkdtemp(dir=tmp_path)) / case  # a fresh copy for every example
+    data.draw(checkpoint_mutations(_checkpoint_copy(case, d)))
+    try:
+        tensors, _ = lorax.load_safetensors(d)
+    except ValueError as err:
+        assert os.fspath(d) in str(err) or "config.json" in str(err), f"no file named: {err}"
+        return
+    for x in tensors.values():
+        dense = np.asarray(x.dequantize() if isinstance(x, lorax.QuantizedArray) else x)
+        assert dense.shape == tuple(x.shape)
+
+
+@pytest.mark.parametrize("case", FUZZED_CHECKPOINTS)
+def test_the_unmutated_checkpoints_load(tmp_path, case):
+    tensors, _ = lorax.load_safetensors(_checkpoint_copy(case, tmp_path / case))
+    assert tensors
