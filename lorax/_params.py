@@ -53,10 +53,12 @@ def _merge(lw: LoraWeight, donate: bool, requantize: bool, where: str) -> Any:
         merged = _merger(None, False)(None, lw)
         if not requantize:
             return merged
-        dq = w.scale_scales is not None
-        return type(w).from_dense(merged, w.qtype, block_size=w.block_size, axis=w.axis,
-                                  double_quant=dq, dtype=w.dense_dtype,
-                                  scale_dtype=None if dq else w.scales.dtype)
+        # An act-order weight (`RowOrdered`) requantizes as its codes' type, in row order.
+        q = getattr(w, "inner", w)
+        dq = q.scale_scales is not None
+        return type(q).from_dense(merged, q.qtype, block_size=q.block_size, axis=q.axis,
+                                  double_quant=dq, dtype=q.dense_dtype,
+                                  scale_dtype=None if dq else q.scales.dtype)
     sharding = None if isinstance(w, jax.core.Tracer) else getattr(w, "sharding", None)
     # A sharded `w` keeps its sharding: left to propagation, the sum could come out
     # laid out like `b @ a` (or replicated) and no longer fit the model's shardings.

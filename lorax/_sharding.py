@@ -251,8 +251,8 @@ def check_no_explicit_axes(where: str, args: tuple, kwargs: dict,
             if not is_weight(leaf):
                 continue
             w = leaf.w
-            # A quantized `w` is typed through its codes.
-            axes = explicit_axes(getattr(w, "codes", w))
+            # A quantized `w` is typed through its codes (its first leaf).
+            axes = explicit_axes(next(iter(jax.tree.leaves(w)), None))
             if axes:
                 raise NotImplementedError(
                     f"{where}: the LoraWeight at {name}{jax.tree_util.keystr(path)} is "

@@ -209,7 +209,7 @@ class LoraWeight(_engine.ArrayValue, metaclass=_engine.FastPytreeMeta):
     def aval(self) -> jax.core.ShapedArray:
         w = self.w
         if _engine.is_value(w):  # quantized: shape and dtype from it, variance from its codes
-            return weight_aval(w, (w.codes, self.a, self.b))
+            return weight_aval(w, (jax.tree.leaves(w)[0], self.a, self.b))
         return weight_aval(w, (w, self.a, self.b))
 
     @property

@@ -165,3 +165,36 @@ def test_merge_params_requantizes_to_the_same_type(qtype):
     assert merged.qtype == qtype and merged.shape == lw.shape
     dense = lorax.merge_params({"w": _dense(lw)})["w"]
     assert_close(merged.dequantize(), dense, rtol=0.2, atol=0.05)
+
+
+def _row_ordered(seed=0):
+    """An act-order weight: rows of one group far apart, stored sorted by group."""
+    from lorax._quant._permuted import RowOrdered
+
+    q = lorax.QuantizedArray.from_dense(_w((128, 48), seed), "int4_zp", block_size=32)
+    perm = np.random.default_rng(seed).permutation(128).astype(np.int32)
+    return RowOrdered(q, jnp.asarray(perm), jnp.asarray(np.argsort(perm).astype(np.int32)), -2)
+
+
+def test_row_ordered_products_reorder_the_activation_not_the_weight():
+    w = _row_ordered()
+    dense = w.dequantize()
+    assert _bits_equal(dense, np.asarray(w.inner.dequantize())[np.asarray(w.perm)])
+    x, z = _w((5, 128), 1), _w((48, 7), 2)
+    f = lorax.lora(lambda w, x, z: (x @ w, w.T @ x.T, w @ z, jnp.einsum("ki,bk->ib", w, x)),
+                   on_materialize="error")
+    got = f(w, x, z)
+    for g, want in zip(got, (x @ dense, (x @ dense).T, dense @ z, (x @ dense).T)):
+        assert_close(g, want)
+
+
+def test_row_ordered_trains_and_merges_as_its_dense_value():
+    w = _row_ordered(3)
+    lw = _lora(w)
+    x = _w((6, 128), 4)
+    _same_step(lambda lw, x: jnp.sum(jnp.tanh(x @ lw) ** 2), lw, _dense(lw), 4, x)
+    merged = lorax.merge_params({"w": lw})["w"]
+    assert_close(merged, lorax.merge_params({"w": _dense(lw)})["w"])
+    requantized = lorax.merge_params({"w": lw}, requantize=True)["w"]
+    assert requantized.qtype == "int4_zp" and requantized.shape == w.shape
+    assert_close(requantized.dequantize(), merged, rtol=0.2, atol=0.05)

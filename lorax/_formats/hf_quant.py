@@ -11,14 +11,15 @@ lorax's formats hold them (`lorax/_quant/_formats.py`), every code and scale unc
 | bitsandbytes 4-bit | `weight` (uint8 pairs), `absmax` (+ `nested_*`), `quant_state` JSON | `bnb_nf4`, `bnb_fp4` |
 | bitsandbytes 8-bit | `weight` int8, `SCB` | `bnb_int8` |
 | fp8 | `weight` e4m3, `weight_scale_inv` per 128x128 block | `fp8_e4m3` |
-| gptq | `qweight` (along the input), `qzeros`, `scales`, `g_idx` | `int4_zp` |
+| gptq | `qweight` (along the input), `qzeros`, `scales`, `g_idx` | `int4_zp` (act-order: in a `RowOrdered`) |
 | awq | `qweight` (along the output, AWQ's nibble order), `qzeros`, `scales` | `int4_zp` |
 | compressed-tensors | `weight_packed`, `weight_scale`, `weight_zero_point`, `weight_shape`; or `weight` + `weight_scale` | `int4`, `int4_zp`, `int8`, `fp8_e4m3` |
 
 Every fold returns the weight in torch's `(out, in)` layout with its blocks along `in`
 (block axis `-1`). Int32 words hold 4-bit codes in other orders than lorax's (low nibble
 first; AWQ's interleave): they are re-laid as bytes of two codes, high nibble first, the
-same codes. FP8's 2-D block scales become one scale per block of `gcd(in, 128)` values
+same codes. GPTQ's act-order rows (`g_idx` not `i // group`) are stored sorted by group,
+their order kept beside them (`lorax/_quant/_permuted.py`). FP8's 2-D block scales become one scale per block of `gcd(in, 128)` values
 along each row, the block's scale repeated over its rows (1/32 byte per weight).
 """
 
@@ -38,6 +39,7 @@ import numpy as np
 from .._files import checked, field
 from .._quant import _formats as F
 from .._quant._array import QuantizedArray
+from .._quant._permuted import RowOrdered
 from ._safetensors_files import Checkpoint
 
 _FLOAT_NAMES = {"float32": jnp.float32, "float16": jnp.float16, "bfloat16": jnp.bfloat16}
@@ -293,13 +295,26 @@ def _fold_gptq(p: Parts) -> QuantizedArray:
     if p.qconfig.get("checkpoint_format", "gptq") == "gptq":  # v1 stores zero - 1
         zeros = zeros + np.uint8(1)
     scales = p.read("scales", p.dtype("scales"), (n, out))
-    if p.has("g_idx"):
-        g_idx = p.read("g_idx", np.int32, (k,))
-        if not np.array_equal(g_idx, np.arange(k) // (k // n)):
-            raise p.error("g_idx", "assigns input rows to groups out of order (act-order, "
-                                   "desc_act=true); lorax reads GPTQ checkpoints whose groups "
-                                   "are consecutive rows (desc_act=false) as codes.")
-    return _zero_point_array(p, q, np.ascontiguousarray(zeros.T), np.ascontiguousarray(scales.T))
+    zeros, scales = np.ascontiguousarray(zeros.T), np.ascontiguousarray(scales.T)
+    g_idx = p.read("g_idx", np.int32, (k,)) if p.has("g_idx") else np.arange(k) // (k // n)
+    if np.array_equal(g_idx, np.arange(k) // (k // n)):
+        return _zero_point_array(p, q, zeros, scales)
+    return _act_order(p, q, zeros, scales, g_idx)
+
+
+def _act_order(p: Parts, q: np.ndarray, zeros: np.ndarray, scales: np.ndarray,
+               g_idx: np.ndarray) -> RowOrdered:
+    """An act-order weight (`desc_act=true`: a group's input rows anywhere): its rows
+    stored sorted by group, consecutive blocks as any other, and the order put back
+    around them (`RowOrdered`)."""
+    k, n = q.shape[1], scales.shape[1]
+    if g_idx.min() < 0 or g_idx.max() >= n or (np.bincount(g_idx, minlength=n) != k // n).any():
+        raise p.error("g_idx", f"expected each of the {n} groups {k // n} times (act-order "
+                               "puts a group's rows anywhere, but every group is whole).")
+    order = np.argsort(g_idx, kind="stable").astype(np.int32)
+    inner = _zero_point_array(p, np.ascontiguousarray(q[:, order]), zeros, scales)
+    perm = np.argsort(order).astype(np.int32)
+    return RowOrdered(inner, jnp.asarray(perm), jnp.asarray(order), -1)
 
 
 def _fold_awq(p: Parts) -> QuantizedArray:

@@ -20,6 +20,7 @@ from .._checks import check_bool
 from .._files import field
 from .._quant import _formats as F
 from .._quant._array import QuantizedArray, check_options, check_quantizable, resolve_block_size
+from .._quant._permuted import RowOrdered
 from . import hf_quant
 from ._safetensors_files import Checkpoint, open_checkpoint
 
@@ -57,7 +58,8 @@ def load_safetensors(
       `"bnb_nf4"`, `"bnb_fp4"`: Unsloth's `*-bnb-4bit` repos), and LLM.int8 (`"bnb_int8"`);
     - `fp8`: float8 e4m3 weights with a `weight_scale_inv` per 128x128 block
       (DeepSeek-V3, Qwen3 `-FP8`; `"fp8_e4m3"`);
-    - `gptq` (4-bit, symmetric or with zero points, groups of consecutive rows) and `awq`
+    - `gptq` (4-bit, symmetric or with zero points; act-order's rows stored sorted by
+      group, their order kept in a `RowOrdered` around the `QuantizedArray`) and `awq`
       (GEMM, 4-bit): `"int4_zp"`, the zero points in `mins`;
     - `compressed-tensors`: `pack-quantized` int4 (`"int4"`, or `"int4_zp"` with zero
       points) and int8 (`"int8"`), and `float-quantized` FP8 per tensor, channel, group
@@ -82,7 +84,8 @@ def load_safetensors(
     **Returns:**
 
     `(tensors, config)`: `tensors` maps each weight's name to a `jax.Array` (in its stored
-    dtype) or a `QuantizedArray`, in the checkpoint's order; `config` is `config.json`'s
+    dtype) or a `QuantizedArray` (a GPTQ act-order weight: a `RowOrdered` holding one),
+    in the checkpoint's order; `config` is `config.json`'s
     content (`{}` for a bare file).
 
     **Raises:**
@@ -145,6 +148,8 @@ def _dense_dtype(ckpt: Checkpoint) -> Any:
 def _placed(x: Any, transpose: bool) -> Any:
     if isinstance(x, QuantizedArray):
         return x.with_leaves(x.leaves(), axis=-2) if transpose else x
+    if isinstance(x, RowOrdered):
+        return RowOrdered(_placed(x.inner, transpose), x.perm, x.order, -2) if transpose else x
     x = jnp.asarray(x)
     return jnp.swapaxes(x, -1, -2) if transpose and x.ndim >= 2 else x
 

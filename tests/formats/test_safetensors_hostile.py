@@ -173,7 +173,7 @@ COMPANIONS = [
     ("fp8_block", "weight", lambda x: x.astype(np.float16), "float8_e4m3fn"),
     ("gptq_asym", "scales", lambda x: x[:-1], "expected shape"),
     ("gptq_asym", "qzeros", lambda x: x[:, :-1], "expected shape"),
-    ("gptq_asym", "g_idx", lambda x: x[::-1].copy(), "act-order"),
+    ("gptq_asym", "g_idx", lambda x: np.maximum(x, 1), "expected each of the 2 groups"),
     ("awq_gemm", "qzeros", lambda x: x[:-1], "expected shape"),
     # (weight_shape disagrees with the codes: the error names the codes and the shape)
     ("ct_int4_asym", "weight_shape", lambda x: x * 2, "weight_packed' (weight_packed): expected "

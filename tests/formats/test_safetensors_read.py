@@ -27,20 +27,18 @@ from jax.ad_checkpoint import print_saved_residuals
 
 import lorax
 from lorax._formats._safetensors_files import open_checkpoint
+from lorax._quant._permuted import RowOrdered
 from tests.conftest import assert_close
 
 FIXTURES = Path(__file__).resolve().parent.parent / "data" / "checkpoints"
-ALL = sorted(p.name for p in FIXTURES.glob("*") if (p / "reference.json").is_file())
-# GPTQ act-order (`desc_act=true`: a group's rows far apart) is refused, not read.
-REFUSED = {"gptq_desc_act"}
-CASES = [c for c in ALL if c not in REFUSED]
+CASES = sorted(p.name for p in FIXTURES.glob("*") if (p / "reference.json").is_file())
 # The lorax qtype each case's quantized weights come as.
 QTYPES = {
     "bnb_nf4": "bnb_nf4", "bnb_nf4_dq": "bnb_nf4", "bnb_fp4": "bnb_fp4", "bnb_fp4_dq": "bnb_fp4",
     "bnb_int8": "bnb_int8", "bnb_nf4_dq_wide": "bnb_nf4", "fp8_block": "fp8_e4m3", "ct_fp8_channel": "fp8_e4m3",
     "ct_fp8_tensor": "fp8_e4m3", "ct_int4_group": "int4", "ct_int4_asym": "int4_zp",
     "ct_int8_channel": "int8", "gptq_sym": "int4_zp", "gptq_asym": "int4_zp",
-    "awq_gemm": "int4_zp",
+    "gptq_desc_act": "int4_zp", "awq_gemm": "int4_zp",
 }
 LAYER = "model.layers.0."
 # A bare file (no config.json): one wide weight, several blocks per row and two groups of
@@ -68,13 +66,24 @@ def case(request):
 
 
 def test_every_format_the_issue_names_has_a_fixture():
-    assert {"bf16_sharded", *QTYPES, *REFUSED} <= set(ALL), sorted(ALL)
+    assert {"bf16_sharded", *QTYPES} <= set(CASES), sorted(CASES)
 
 
-def test_gptq_act_order_is_refused_with_the_reason():
-    with pytest.raises(ValueError, match=r"g_idx.*\(g_idx\): assigns input rows to groups "
-                                         r"out of order \(act-order, desc_act=true\)"):
-        lorax.load_safetensors(FIXTURES / "gptq_desc_act")
+def _codes(x):
+    """The `QuantizedArray` holding a weight's codes (an act-order weight's inner one)."""
+    return x.inner if isinstance(x, RowOrdered) else x
+
+
+def test_act_order_keeps_its_groups_consecutive_and_its_rows_in_place():
+    """GPTQ act-order: a group's rows are far apart in the file (`g_idx`); stored sorted
+    by group (consecutive blocks, as any GPTQ weight), with the row order around them."""
+    t, _ = lorax.load_safetensors(FIXTURES / "gptq_desc_act")
+    q = t[LAYER + "mlp.up_proj.weight"]
+    assert isinstance(q, RowOrdered) and q.inner.block_size == 32 and q.axis == -1
+    g_idx = open_checkpoint(FIXTURES / "gptq_desc_act", "test").read(LAYER + "mlp.up_proj.g_idx")
+    assert not (np.diff(g_idx) >= 0).all()  # the fixture is act-order
+    assert (np.diff(g_idx[np.asarray(q.order)]) >= 0).all()
+    assert (np.asarray(q.order)[np.asarray(q.perm)] == np.arange(g_idx.size)).all()
 
 
 def test_quantized_weights_dequantize_bit_for_bit_like_their_library(case):
@@ -82,7 +91,7 @@ def test_quantized_weights_dequantize_bit_for_bit_like_their_library(case):
     assert meta["quantized"] or name == "bf16_sharded"
     for w in meta["quantized"]:
         q = tensors[w]
-        assert isinstance(q, lorax.QuantizedArray) and q.qtype == QTYPES[name], (w, q)
+        assert isinstance(_codes(q), lorax.QuantizedArray) and q.qtype == QTYPES[name], (w, q)
         assert _bits_equal(q.dequantize(jnp.float32), ref[w]), w
         if w + "@native" in ref:  # the library's own dtype: one rounding of the same values
             native = ref[w + "@native"]
@@ -110,8 +119,8 @@ def test_transpose_gives_the_kernels_with_the_same_bytes(case):
     t, _ = lorax.load_safetensors(FIXTURES / name, transpose=True)
     for n, x in tensors.items():
         y = t[n]
-        if isinstance(x, lorax.QuantizedArray):
-            assert y.shape == x.shape[::-1] and y.axis == -2
+        if isinstance(_codes(x), lorax.QuantizedArray):
+            assert y.shape == x.shape[::-1] and y.axis == -2 and _codes(y).axis == -2
             assert all(_bits_equal(a, b) for a, b in zip(jax.tree.leaves(x), jax.tree.leaves(y)))
         elif x.ndim >= 2:
             assert _bits_equal(y, jnp.swapaxes(x, -1, -2))
@@ -120,7 +129,7 @@ def test_transpose_gives_the_kernels_with_the_same_bytes(case):
 def test_the_weights_cost_their_codes_not_a_dense_copy(case):
     name, tensors, _, meta, _ = case
     for w in meta["quantized"]:
-        q = tensors[w]
+        q = _codes(tensors[w])
         bits = 8 * q.nbytes / q.size
         # 8-bit: a scale per row (or per block: FP8's in blocks of gcd(in, 128), which is
         # 8 for the fixture's in = 136); 4-bit: scales and zero points of groups of 32.
@@ -131,7 +140,7 @@ def test_the_weights_cost_their_codes_not_a_dense_copy(case):
 def _layer_weights(case_name: str) -> dict:
     t, _ = lorax.load_safetensors(FIXTURES / case_name, transpose=True)
     return {k.removeprefix(LAYER): v for k, v in t.items()
-            if k.startswith(LAYER) and isinstance(v, lorax.QuantizedArray)}
+            if k.startswith(LAYER) and isinstance(_codes(v), lorax.QuantizedArray)}
 
 
 def _qlora(weights: dict, rank: int = 4) -> dict:
