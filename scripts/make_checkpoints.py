@@ -572,9 +572,8 @@ CT_SCHEMES = {
     "ct_int4_group": ("W4A16", {"group_size": GROUP}),
     "ct_int4_asym": ("W4A16_ASYM", {"group_size": GROUP}),
     "ct_int8_channel": ("W8A16", {"strategy": "channel", "group_size": None}),  # pack-quantized
-    # compressed-tensors packs 8-bit weight-only schemes (pack-quantized), so W8A8's
-    # int-quantized format (int8 weight + weight_scale) has no case of its own:
-    # "ct_int8_intq": ("W8A8", {}) would add it (~165 KB).
+    # W8A8: the int-quantized format (an int8 `weight` and its `weight_scale`, unpacked).
+    "ct_int8_intq": ("W8A8", {}),
 }
 
 
@@ -652,7 +651,8 @@ def make_ct(case_dir: Path, case: str) -> dict:
     compressor.update_config(case_dir)
     preset, weight_updates = CT_SCHEMES[case]
     compressor_class = {"pack-quantized": "PackedQuantizationCompressor",
-                        "float-quantized": "FloatQuantizationCompressor"
+                        "float-quantized": "FloatQuantizationCompressor",
+                        "int-quantized": "IntQuantizationCompressor",
                         }[compressor.quantization_config.format]
     return {"writer": ("compressed_tensors: apply_quantization_config(model, QuantizationConfig("
                        f"config_groups={{'group_0': preset_name_to_scheme('{preset}', ['Linear'])"

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import jax
@@ -10,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import lorax
+from lorax._formats._safetensors_files import open_checkpoint
 
 F32 = np.float32
 
@@ -131,8 +133,6 @@ _SAFETENSORS_DTYPES = {"float64": "F64", "float32": "F32", "float16": "F16", "bf
 def write_safetensors(path, tensors, metadata=None):
     """A safetensors file of numpy arrays, ml_dtypes' (bfloat16, float8) included, which
     `safetensors.numpy` does not write."""
-    import json
-
     header, offset = {}, 0
     for name, x in tensors.items():
         header[name] = {"dtype": _SAFETENSORS_DTYPES[np.asarray(x).dtype.name],
@@ -150,7 +150,5 @@ def write_safetensors(path, tensors, metadata=None):
 
 def read_safetensors_all(path):
     """Every tensor of a safetensors file, in file order (ml_dtypes dtypes included)."""
-    from lorax._formats._safetensors_files import open_checkpoint
-
     ck = open_checkpoint(path, "test")
     return {name: ck.read(name) for name in ck.entries}

@@ -9,7 +9,9 @@ while tensors are read, so a tensor's pages leave the process with it: loading a
 tensor by tensor holds one tensor at a time, not the shards.
 
 A shard name that leaves the directory (`..`, an absolute path, a symlink pointing out) is
-refused, and so is an index whose fields are not what Hugging Face writes.
+refused, and so is an index whose fields are not what Hugging Face writes. The one place
+outside a directory its files may point to is the Hugging Face cache's own: a snapshot's
+files are symlinks into its repository's `blobs/`.
 """
 
 from __future__ import annotations
@@ -127,11 +129,23 @@ def _weight_map(index: str, who: str) -> dict[str, str]:
     return weight_map
 
 
+def _roots(directory: str) -> list[str]:
+    """Where a checkpoint's files may really be: its directory, and for a snapshot in the
+    Hugging Face cache (`models--org--name/snapshots/<revision>/`, whose files are
+    symlinks to `../../blobs/<hash>`) that repository's `blobs/`."""
+    root = os.path.realpath(directory)
+    roots = [root]
+    if os.path.basename(os.path.dirname(root)) == "snapshots":
+        roots.append(os.path.join(os.path.dirname(os.path.dirname(root)), "blobs"))
+    return roots
+
+
 def _inside(directory: str, shard: str, index: str, who: str) -> str:
-    """The real path of `shard`, which must be a file inside `directory`."""
+    """The real path of `shard`, a file of `directory` (see `_roots`)."""
     root = os.path.realpath(directory)
     real = os.path.realpath(os.path.join(root, shard))
-    if os.path.isabs(shard) or os.path.commonpath([root, real]) != root or real == root:
+    if os.path.isabs(shard) or real == root or not any(
+            os.path.commonpath([r, real]) == r for r in _roots(directory)):
         raise ValueError(f"{who}: {index!r} names the shard {shard!r}, which is not inside "
                          f"{directory!r}; shards must be files of the checkpoint's directory.")
     if not os.path.isfile(real):

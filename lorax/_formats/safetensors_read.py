@@ -62,8 +62,8 @@ def load_safetensors(
       group, their order kept in a `RowOrdered` around the `QuantizedArray`) and `awq`
       (GEMM, 4-bit): `"int4_zp"`, the zero points in `mins`;
     - `compressed-tensors`: `pack-quantized` int4 (`"int4"`, or `"int4_zp"` with zero
-      points) and int8 (`"int8"`), and `float-quantized` FP8 per tensor, channel, group
-      or block (`"fp8_e4m3"`).
+      points) and int8 (`"int8"`), `int-quantized` int8 (`"int8"`), and `float-quantized`
+      FP8 per tensor, channel, group or block (`"fp8_e4m3"`).
 
     Shapes are torch's `(out, in)`, as stored; `transpose=True` swaps the last two axes
     of every tensor of two or more axes, the `(in, out)` kernels `x @ w` models use

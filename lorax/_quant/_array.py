@@ -27,7 +27,25 @@ def logical_shape(other: tuple[int, ...], k: int, axis: int) -> tuple[int, ...]:
     return tuple(shape)
 
 
-class QuantizedArray(_engine.ArrayValue, metaclass=_engine.FastPytreeMeta):
+class AbstractDequantized(_engine.ArrayValue):
+    """A frozen weight held in another form than its dense value (codes and scales):
+    a primitive with no rule of its own sees `dequantize()`'s array, frozen."""
+
+    materialized_as = "dequantized to a dense array"
+
+    def dequantize(self, dtype: Any = None) -> Array:
+        raise NotImplementedError
+
+    def materialise(self) -> Array:
+        # Quax's fallback hook: the whole dense weight, frozen.
+        return lax.stop_gradient(self.dequantize())
+
+    @staticmethod
+    def default(primitive: Any, values: Any, params: dict[str, Any]) -> Any:
+        return _engine.materialize_fallback(primitive, values, params)
+
+
+class QuantizedArray(AbstractDequantized, metaclass=_engine.FastPytreeMeta):
     """A frozen weight stored as quantized blocks; inside [`lorax.lora`][] it behaves
     like its dense value without that array being kept.
 
@@ -277,16 +295,6 @@ class QuantizedArray(_engine.ArrayValue, metaclass=_engine.FastPytreeMeta):
         An array of shape `self.shape`.
         """
         return jnp.moveaxis(self.dequantize_storage(dtype), -1, self.axis)
-
-    materialized_as = "dequantized to a dense array"
-
-    def materialise(self) -> Array:
-        # Quax's fallback hook: the whole dense weight, frozen.
-        return lax.stop_gradient(self.dequantize())
-
-    @staticmethod
-    def default(primitive: Any, values: Any, params: dict[str, Any]) -> Any:
-        return _engine.materialize_fallback(primitive, values, params)
 
     def __repr__(self) -> str:
         return (f"QuantizedArray({self.qtype}, shape={self.shape}, dtype={self.dtype}, "

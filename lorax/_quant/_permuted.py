@@ -20,12 +20,13 @@ from typing import Any
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jax import Array, lax
+from jax import Array
 
 from .. import _engine
+from ._array import AbstractDequantized
 
 
-class RowOrdered(_engine.ArrayValue, metaclass=_engine.FastPytreeMeta):
+class RowOrdered(AbstractDequantized, metaclass=_engine.FastPytreeMeta):
     """`inner` (a `QuantizedArray`) with its positions along `axis` (< 0) permuted.
 
     - `perm`: int32 `(n,)`: logical position `i` is stored at `perm[i]`;
@@ -51,15 +52,6 @@ class RowOrdered(_engine.ArrayValue, metaclass=_engine.FastPytreeMeta):
     def dequantize(self, dtype: Any = None) -> Array:
         """The dense array (`QuantizedArray.dequantize`'s, rows in their logical order)."""
         return jnp.take(self.inner.dequantize(dtype), self.perm, axis=self.axis)
-
-    materialized_as = "dequantized to a dense array"
-
-    def materialise(self) -> Array:
-        return lax.stop_gradient(self.dequantize())
-
-    @staticmethod
-    def default(primitive: Any, values: Any, params: dict[str, Any]) -> Any:
-        return _engine.materialize_fallback(primitive, values, params)
 
     def __repr__(self) -> str:
         return f"RowOrdered({self.inner!r}, rows reordered along axis {self.axis})"

@@ -85,6 +85,28 @@ def test_a_symlink_pointing_out_is_refused(tmp_path):
     _refused(d, "not inside", victim.name)
 
 
+def test_a_hugging_face_cache_snapshot_loads_through_its_symlinks(tmp_path):
+    """The Hub's cache keeps a snapshot's files as symlinks to `../../blobs/<hash>`: that
+    is the one place outside the directory they may point to."""
+    repo = tmp_path / "models--org--tiny"
+    snap, blobs = repo / "snapshots" / "abc123", repo / "blobs"
+    snap.mkdir(parents=True)
+    blobs.mkdir()
+    for i, f in enumerate(sorted((FIXTURES / "bf16_sharded").iterdir())):
+        if f.name.startswith("reference"):
+            continue
+        shutil.copy(f, blobs / f"blob{i}")
+        os.symlink(f"../../blobs/blob{i}", snap / f.name)
+    tensors, config = lorax.load_safetensors(snap)
+    assert config["model_type"] == "llama" and len(tensors) > 5
+    victim = snap / "model-00001-of-00005.safetensors"  # a symlink out of the repository
+    outside = tmp_path / "elsewhere.safetensors"
+    shutil.copy(victim, outside)
+    victim.unlink()
+    os.symlink(outside, victim)
+    _refused(snap, "not inside", victim.name)
+
+
 def test_the_index_must_put_each_tensor_where_it_is(tmp_path):
     d = _copy(tmp_path, "bf16_sharded")
     names = json.loads((d / "model.safetensors.index.json").read_text())["weight_map"]

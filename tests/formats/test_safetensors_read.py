@@ -35,10 +35,11 @@ CASES = sorted(p.name for p in FIXTURES.glob("*") if (p / "reference.json").is_f
 # The lorax qtype each case's quantized weights come as.
 QTYPES = {
     "bnb_nf4": "bnb_nf4", "bnb_nf4_dq": "bnb_nf4", "bnb_fp4": "bnb_fp4", "bnb_fp4_dq": "bnb_fp4",
-    "bnb_int8": "bnb_int8", "bnb_nf4_dq_wide": "bnb_nf4", "fp8_block": "fp8_e4m3", "ct_fp8_channel": "fp8_e4m3",
-    "ct_fp8_tensor": "fp8_e4m3", "ct_int4_group": "int4", "ct_int4_asym": "int4_zp",
-    "ct_int8_channel": "int8", "gptq_sym": "int4_zp", "gptq_asym": "int4_zp",
-    "gptq_desc_act": "int4_zp", "awq_gemm": "int4_zp",
+    "bnb_nf4_dq_wide": "bnb_nf4", "bnb_int8": "bnb_int8", "fp8_block": "fp8_e4m3",
+    "ct_fp8_channel": "fp8_e4m3", "ct_fp8_tensor": "fp8_e4m3", "ct_int4_group": "int4",
+    "ct_int4_asym": "int4_zp", "ct_int8_channel": "int8", "ct_int8_intq": "int8",
+    "gptq_sym": "int4_zp", "gptq_asym": "int4_zp", "gptq_desc_act": "int4_zp",
+    "awq_gemm": "int4_zp",
 }
 LAYER = "model.layers.0."
 # A bare file (no config.json): one wide weight, several blocks per row and two groups of
