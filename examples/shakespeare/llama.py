@@ -1,5 +1,12 @@
 """A small Llama forward pass in plain JAX (RMSNorm, RoPE, GQA, SwiGLU, tied embeddings).
 
+The Llama family is configuration of this one model: Llama 3.x (`rope_scaling`, its
+`llama3` frequency rule; an untied `lm_head`), Qwen 3 (RMSNorm on each head's queries
+and keys: `q_norm` / `k_norm` in a layer's parameters; `head_dim` of its own), Qwen 2.5
+(biases on q, k and v: `q_bias` / `k_bias` / `v_bias`) and Mistral (`window`: sliding-window
+attention). A layer's optional parameters switch their part on where they are present.
+`hf_loader.py` builds the `Config` and the parameters from a Hugging Face checkpoint.
+
 Written with no LoRA in mind: parameters are a dict of arrays, dense kernels are
 `(in, out)` and the per-layer ones are stacked along a leading layer axis and run
 under `lax.scan`, so one layer is traced and compiled once; or, as a list of per-layer
@@ -38,20 +45,46 @@ class Config(NamedTuple):
     # How the step runs, not what it computes (see `attention` and `hidden_states`).
     attention: str = "auto"
     remat: str = "layer"
+    # The family's variations (defaults: SmolLM2's Llama): a head size other than
+    # dim / n_heads (Qwen 3); Llama 3.1's RoPE frequency rule, `(factor, low_freq_factor,
+    # high_freq_factor, original_max_position_embeddings)`; Mistral's sliding window.
+    head_dim: int | None = None
+    rope_scaling: tuple[float, float, float, int] | None = None
+    window: int | None = None
+
+    @property
+    def hd(self) -> int:
+        """Each head's size."""
+        return self.head_dim or self.dim // self.n_heads
 
 
 def rms_norm(x, w, eps):
     return x * lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * w
 
 
-def rope(x, theta):
-    """Rotary embedding, HF's half-split ("rotate_half") layout. x: (B, T, heads, head_dim)."""
+def rope(x, theta, scaling=None):
+    """Rotary embedding, HF's half-split ("rotate_half") layout. x: (B, T, heads, head_dim).
+    `scaling`: Llama 3.1's frequency rule (`Config.rope_scaling`), or None."""
     t, d = x.shape[1], x.shape[-1]
     freqs = theta ** (-jnp.arange(0, d, 2, dtype=jnp.float32) / d)
+    if scaling is not None:
+        freqs = llama3_frequencies(freqs, *scaling)
     angles = jnp.arange(t, dtype=jnp.float32)[:, None] * freqs  # (T, d/2)
     cos, sin = jnp.cos(angles)[:, None, :], jnp.sin(angles)[:, None, :]
     x1, x2 = x[..., : d // 2], x[..., d // 2 :]
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+def llama3_frequencies(freqs, factor, low_freq_factor, high_freq_factor, original_context):
+    """Llama 3.1's RoPE rule: long wavelengths slowed by `factor`, short ones kept, the
+    band between them interpolated (transformers' `_compute_llama3_parameters`)."""
+    low_wavelen, high_wavelen = original_context / low_freq_factor, original_context / high_freq_factor
+    wavelen = 2 * jnp.pi / freqs
+    scaled = jnp.where(wavelen > low_wavelen, freqs / factor, freqs)
+    smooth = (original_context / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return jnp.where(medium, smoothed, scaled)
 
 
 # Queries per attention chunk. Longer sequences attend in chunks of this many queries,
@@ -131,14 +164,23 @@ def _attend(q, positions, *, k, v, window, scale):
     return jnp.einsum("bkgts,bskd->btkgd", probs, v)
 
 
+def _heads(cfg: Config, h, layer, name: str, n: int):
+    """One projection's heads `(B, T, n, head_dim)`: its bias (Qwen 2.5) and its per-head
+    RMSNorm (Qwen 3's q / k) where the layer has them."""
+    b, t, _ = h.shape
+    y = h @ layer[name]
+    if f"{name}_bias" in layer:
+        y = y + layer[f"{name}_bias"]
+    y = y.reshape(b, t, n, cfg.hd)
+    return rms_norm(y, layer[f"{name}_norm"], cfg.norm_eps) if f"{name}_norm" in layer else y
+
+
 def block(cfg: Config, x, layer):
-    b, t, _ = x.shape
-    head_dim = cfg.dim // cfg.n_heads
     h = rms_norm(x, layer["attn_norm"], cfg.norm_eps)
-    q = rope((h @ layer["q"]).reshape(b, t, cfg.n_heads, head_dim), cfg.rope_theta)
-    k = rope((h @ layer["k"]).reshape(b, t, cfg.n_kv_heads, head_dim), cfg.rope_theta)
-    v = (h @ layer["v"]).reshape(b, t, cfg.n_kv_heads, head_dim)
-    x = x + attention(q, k, v, implementation=cfg.attention) @ layer["o"]
+    q = rope(_heads(cfg, h, layer, "q", cfg.n_heads), cfg.rope_theta, cfg.rope_scaling)
+    k = rope(_heads(cfg, h, layer, "k", cfg.n_kv_heads), cfg.rope_theta, cfg.rope_scaling)
+    v = _heads(cfg, h, layer, "v", cfg.n_kv_heads)
+    x = x + attention(q, k, v, window=cfg.window, implementation=cfg.attention) @ layer["o"]
     h = rms_norm(x, layer["mlp_norm"], cfg.norm_eps)
     return x + (jax.nn.silu(h @ layer["gate"]) * (h @ layer["up"])) @ layer["down"]
 
@@ -235,7 +277,10 @@ def loss(cfg: Config, params, windows):
     for a float32 one).
     """
     h = hidden_states(cfg, params, windows[:, :-1])
-    return tied_loss(h, params["embed"], windows[:, 1:], cfg.vocab)
+    # An untied output layer (Llama 3 8B) is `(dim, vocab)`: its transpose, as the tied
+    # embedding is laid out (inside `lorax.lora` a quantized one stays quantized).
+    out = params["lm_head"].T if "lm_head" in params else params["embed"]
+    return tied_loss(h, out, windows[:, 1:], cfg.vocab)
 
 
 def tied_loss(h, embed, targets, vocab: int):

@@ -1,0 +1,192 @@
+"""A Hugging Face checkpoint for `llama.py`: Llama 3.x, Qwen 3, Qwen 2.5, Mistral and
+SmolLM2, from the checkpoint's `config.json` and `lorax.load_safetensors` (any format it
+reads: bf16 shards, bitsandbytes, FP8, GPTQ, AWQ, compressed-tensors, codes kept).
+
+    cfg, params, hf_config = hf_loader.load("path/to/Qwen3-0.6B")
+    logits = llama.logits(cfg, params, tokens)
+
+The architectures differ by configuration of one model (`llama.Config`, and the optional
+parameters a layer has); the Hugging Face names map to `llama.py`'s by the table below.
+Kernels come as `(in, out)`; layers as a list (`llama.hidden_states` runs them unrolled),
+or stacked along a leading axis with `stack=True` (run under `lax.scan`).
+
+A config that disagrees with the tensors (head counts, sizes, a missing or extra layer)
+is a `ValueError` naming the config field and the tensor.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+import lorax
+
+from . import llama
+
+MODEL_TYPES = ("llama", "qwen3", "qwen2", "mistral")
+
+# A layer's Hugging Face tensors (after `model.layers.<i>.`) -> llama.py's names.
+LAYER_NAMES = {
+    "input_layernorm.weight": "attn_norm", "post_attention_layernorm.weight": "mlp_norm",
+    "self_attn.q_proj.weight": "q", "self_attn.k_proj.weight": "k",
+    "self_attn.v_proj.weight": "v", "self_attn.o_proj.weight": "o",
+    "self_attn.q_proj.bias": "q_bias", "self_attn.k_proj.bias": "k_bias",
+    "self_attn.v_proj.bias": "v_bias",
+    "self_attn.q_norm.weight": "q_norm", "self_attn.k_norm.weight": "k_norm",
+    "mlp.gate_proj.weight": "gate", "mlp.up_proj.weight": "up", "mlp.down_proj.weight": "down",
+}
+TOP_NAMES = {"model.embed_tokens.weight": "embed", "model.norm.weight": "final_norm",
+             "lm_head.weight": "lm_head"}
+
+
+def _field(hf: dict, key: str, where: str, default: Any = ...) -> Any:
+    if key not in hf or hf[key] is None:
+        if default is ...:
+            raise ValueError(f"{where}: config.json has no {key!r}.")
+        return default
+    return hf[key]
+
+
+def _rope(hf: dict, where: str) -> tuple[float, tuple | None]:
+    """`(rope_theta, rope_scaling)`: transformers 5's `rope_parameters`, or the older
+    `rope_theta` / `rope_scaling` fields."""
+    rp = hf.get("rope_parameters") or {}
+    theta = float(rp.get("rope_theta", hf.get("rope_theta") or 10000.0))
+    scaling = hf.get("rope_scaling") or rp
+    kind = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
+    if kind == "default":
+        return theta, None
+    if kind != "llama3":
+        raise ValueError(f"{where}: config.json: rope type {kind!r} is not implemented "
+                         "(llama.py has the default rule and Llama 3.1's 'llama3').")
+    return theta, (float(scaling["factor"]), float(scaling["low_freq_factor"]),
+                   float(scaling["high_freq_factor"]),
+                   int(scaling["original_max_position_embeddings"]))
+
+
+def config(hf: dict, where: str = "config.json") -> llama.Config:
+    """`llama.Config` of a Hugging Face config (a `config.json`'s content)."""
+    kind = hf.get("model_type")
+    if kind not in MODEL_TYPES:
+        raise ValueError(f"{where}: model_type {kind!r} is not one llama.py runs "
+                         f"({', '.join(MODEL_TYPES)}; Gemma 3 is gemma3.py).")
+    if _field(hf, "hidden_act", where, "silu") != "silu":
+        raise ValueError(f"{where}: hidden_act {hf['hidden_act']!r}: llama.py's MLP is SwiGLU.")
+    theta, scaling = _rope(hf, where)
+    dim, n_heads = int(_field(hf, "hidden_size", where)), int(_field(hf, "num_attention_heads", where))
+    head_dim = _field(hf, "head_dim", where, None)
+    sliding = kind == "mistral" or hf.get("use_sliding_window")
+    return llama.Config(
+        n_layers=int(_field(hf, "num_hidden_layers", where)), dim=dim,
+        hidden=int(_field(hf, "intermediate_size", where)), n_heads=n_heads,
+        n_kv_heads=int(_field(hf, "num_key_value_heads", where, n_heads)), rope_theta=theta,
+        norm_eps=float(_field(hf, "rms_norm_eps", where, 1e-6)),
+        vocab=int(_field(hf, "vocab_size", where)),
+        head_dim=None if head_dim in (None, dim // n_heads) else int(head_dim),
+        rope_scaling=scaling, window=(hf.get("sliding_window") or None) if sliding else None)
+
+
+def _expected(cfg: llama.Config) -> dict[str, tuple[int, ...]]:
+    """Each parameter's shape as llama.py holds it (kernels `(in, out)`)."""
+    q, kv = cfg.n_heads * cfg.hd, cfg.n_kv_heads * cfg.hd
+    return {"attn_norm": (cfg.dim,), "mlp_norm": (cfg.dim,), "q": (cfg.dim, q),
+            "k": (cfg.dim, kv), "v": (cfg.dim, kv), "o": (q, cfg.dim), "q_bias": (q,),
+            "k_bias": (kv,), "v_bias": (kv,), "q_norm": (cfg.hd,), "k_norm": (cfg.hd,),
+            "gate": (cfg.dim, cfg.hidden), "up": (cfg.dim, cfg.hidden),
+            "down": (cfg.hidden, cfg.dim), "embed": (cfg.vocab, cfg.dim),
+            "final_norm": (cfg.dim,), "lm_head": (cfg.dim, cfg.vocab)}
+
+
+_FIELDS = {"q": "num_attention_heads, head_dim", "k": "num_key_value_heads, head_dim",
+           "v": "num_key_value_heads, head_dim", "o": "num_attention_heads, head_dim",
+           "gate": "intermediate_size", "up": "intermediate_size", "down": "intermediate_size",
+           "embed": "vocab_size", "lm_head": "vocab_size"}
+
+
+def _checked(name: str, ours: str, x: Any, cfg: llama.Config, where: str) -> Any:
+    want = _expected(cfg)[ours]
+    if tuple(x.shape) != want:
+        raise ValueError(f"{where}: tensor {name!r} has shape {tuple(x.shape)} (as llama.py "
+                         f"holds it), but config.json says {want} (hidden_size, "
+                         f"{_FIELDS.get(ours, 'hidden_size')}).")
+    return x
+
+
+def params(tensors: dict[str, Any], cfg: llama.Config, where: str = "checkpoint") -> dict:
+    """llama.py's parameters from `lorax.load_safetensors(..., transpose=True)`'s tensors."""
+    layers: list[dict] = [{} for _ in range(cfg.n_layers)]
+    out: dict[str, Any] = {}
+    for name, x in tensors.items():
+        hit = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", name)
+        if hit and hit.group(2) in LAYER_NAMES:
+            i, ours = int(hit.group(1)), LAYER_NAMES[hit.group(2)]
+            if i >= cfg.n_layers:
+                raise ValueError(f"{where}: tensor {name!r} is of layer {i}, but config.json "
+                                 f"says num_hidden_layers = {cfg.n_layers}.")
+            layers[i][ours] = _checked(name, ours, x, cfg, where)
+        elif name in TOP_NAMES:
+            ours = TOP_NAMES[name]
+            x = x.T if ours == "embed" else x  # loaded transposed: the table is (vocab, dim)
+            out[ours] = _checked(name, ours, x, cfg, where)
+    _complete(layers, out, where)
+    return {**out, "layers": layers}
+
+
+def _complete(layers: list[dict], top: dict, where: str) -> None:
+    need = {"attn_norm", "mlp_norm", "q", "k", "v", "o", "gate", "up", "down"}
+    for i, layer in enumerate(layers):
+        missing = sorted(need - set(layer))
+        if missing:
+            names = [k for k, v in LAYER_NAMES.items() if v in missing]
+            raise ValueError(f"{where}: layer {i} has no {', '.join(names)} (config.json "
+                             f"says num_hidden_layers = {len(layers)}).")
+    for ours in ("embed", "final_norm"):
+        if ours not in top:
+            name = next(k for k, v in TOP_NAMES.items() if v == ours)
+            raise ValueError(f"{where}: the checkpoint has no {name!r}.")
+
+
+def stacked(p: dict) -> dict:
+    """`p` with its list of layers stacked along a leading axis (for `lax.scan`)."""
+    return dict(p, layers=jax.tree.map(lambda *xs: jnp.stack(xs), *p["layers"]))
+
+
+def load(path: str | os.PathLike, *, stack: bool = False, dtype: Any = None,
+         **load_options: Any) -> tuple[llama.Config, dict, dict]:
+    """`(cfg, params, hf_config)` of the checkpoint at `path` (`load_options` go to
+    `lorax.load_safetensors`: `quantize=`, ...). `dtype`: dense floating-point tensors cast
+    to it (quantized ones dequantize to it)."""
+    tensors, hf = lorax.load_safetensors(path, transpose=True, **load_options)
+    where = os.fspath(path)
+    cfg = config(hf, os.path.join(where, "config.json"))
+    if dtype is not None:
+        tensors = {k: _cast(v, dtype) for k, v in tensors.items()}
+    p = params(tensors, cfg, where)
+    tied = hf.get("tie_word_embeddings", "lm_head" not in p)
+    if tied:
+        p.pop("lm_head", None)
+    return cfg, stacked(p) if stack else p, hf
+
+
+def _cast(x: Any, dtype: Any) -> Any:
+    if isinstance(x, jax.Array):
+        return x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
+    q = getattr(x, "inner", x)  # a quantized weight (an act-order one's codes): it
+    q = q.with_leaves(q.leaves(), dense_dtype=jnp.dtype(dtype))  # dequantizes to `dtype`
+    return dataclasses.replace(x, inner=q) if hasattr(x, "inner") else q
+
+
+def hf_name(path: str) -> str:
+    """The Hugging Face tensor name of a llama.py parameter path (`layers/3/q` ->
+    `model.layers.3.self_attn.q_proj.weight`)."""
+    parts = path.split("/")
+    if parts[0] == "layers":
+        inverse = {v: k for k, v in LAYER_NAMES.items()}
+        return f"model.layers.{parts[1]}.{inverse[parts[2]]}"
+    return {v: k for k, v in TOP_NAMES.items()}[parts[0]]
+

@@ -1,0 +1,123 @@
+"""`examples/shakespeare/llama.py` on Hugging Face checkpoints of the Llama family, through
+`hf_loader` (`lorax.load_safetensors`): logits equal transformers' on tiny random
+checkpoints transformers wrote (tests/data/models, made by scripts/make_model_fixtures.py;
+kept equal to transformers by scripts/test-checkpoints), one per architecture's
+distinguishing part: Llama 3.1's RoPE rule and untied head, Qwen 3's per-head q/k norm and
+head size, Qwen 2.5's q/k/v biases, Mistral's sliding window; and a bitsandbytes NF4
+checkpoint (Unsloth's `*-bnb-4bit` layout) trained as its codes."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import lorax
+from examples.shakespeare import hf_loader, llama
+from tests.conftest import assert_close
+
+MODELS = Path(__file__).resolve().parent.parent / "data" / "models"
+ARCHS = ["llama3", "qwen3", "qwen2", "mistral"]
+
+
+def _logits(name: str, stack: bool) -> tuple[np.ndarray, dict]:
+    cfg, params, _ = hf_loader.load(MODELS / name, stack=stack, dtype=jnp.float32)
+    ref = np.load(MODELS / name / "reference.npz")
+    f = jax.jit(lorax.lora(lambda p, x: llama.logits(cfg._replace(attention="xla"), p, x),
+                           on_materialize="error"))
+    return np.asarray(f(params, jnp.asarray(ref["input_ids"]))), ref
+
+
+@pytest.mark.parametrize("stack", [False, True], ids=["unrolled", "scanned"])
+@pytest.mark.parametrize("name", ARCHS)
+def test_logits_equal_transformers(name, stack):
+    got, ref = _logits(name, stack)
+    assert np.abs(got - ref["logits"]).max() <= 1e-4
+
+
+def test_each_architecture_is_its_own_configuration():
+    cfgs = {a: hf_loader.load(MODELS / a)[0] for a in ARCHS}
+    assert cfgs["llama3"].rope_scaling == (8.0, 1.0, 4.0, 32)
+    assert cfgs["qwen3"].hd == 32 != cfgs["qwen3"].dim // cfgs["qwen3"].n_heads
+    assert cfgs["mistral"].window == 5 and cfgs["qwen2"].window is None
+    layers = {a: hf_loader.load(MODELS / a)[1]["layers"][0] for a in ARCHS}
+    assert {"q_norm", "k_norm"} <= set(layers["qwen3"]) and "q_bias" not in layers["qwen3"]
+    assert {"q_bias", "k_bias", "v_bias"} <= set(layers["qwen2"])
+
+
+def test_the_checks_can_fail():
+    """Negative control: without its RoPE rule, Llama 3's logits are off."""
+    cfg, params, _ = hf_loader.load(MODELS / "llama3", dtype=jnp.float32)
+    ref = np.load(MODELS / "llama3" / "reference.npz")
+    got = llama.logits(cfg._replace(rope_scaling=None, attention="xla"), params,
+                       jnp.asarray(ref["input_ids"]))
+    assert np.abs(np.asarray(got) - ref["logits"]).max() > 1e-3
+
+
+def test_a_bnb_4bit_checkpoint_runs_on_its_codes():
+    """The NF4 codes bitsandbytes saved, read as stored: the logits of transformers on
+    bitsandbytes' own float32 dequantization (1e-3), and within bitsandbytes' CPU product,
+    which rounds to bfloat16 on the way (its logits are 0.057 from the exact ones)."""
+    got, ref = _logits("llama3_bnb4", stack=False)
+    assert np.abs(got - ref["logits"]).max() <= 1e-3
+    assert np.abs(got - ref["bnb_logits"]).max() <= 0.1
+    _, params, _ = hf_loader.load(MODELS / "llama3_bnb4")
+    assert all(isinstance(params["layers"][0][k], lorax.QuantizedArray) and
+               params["layers"][0][k].qtype == "bnb_nf4" for k in ("q", "up", "down"))
+
+
+def test_qlora_on_the_bnb_checkpoint_matches_its_dequantized_weights():
+    cfg, params, _ = hf_loader.load(MODELS / "llama3_bnb4", stack=True, dtype=jnp.float32)
+    windows = jnp.asarray(np.load(MODELS / "llama3_bnb4" / "reference.npz")["input_ids"])
+    cfg = cfg._replace(attention="xla")
+    spec = lorax.simple_spec(params, targets=r"^layers/(q|k|v|o|gate|up|down)$", rank=4)
+    spec = lorax.infer_layout(lambda p, w: llama.loss(cfg, p, w), params, spec, windows)
+    lp = lorax.init_lora(params, spec, jax.random.PRNGKey(0))
+    lp = jax.tree.map(lambda w: dataclasses.replace(w, b=jnp.full_like(w.b, 0.05))
+                      if isinstance(w, lorax.LoraWeight) else w, lp,
+                      is_leaf=lambda w: isinstance(w, lorax.LoraWeight))
+    dense = jax.tree.map(lambda w: dataclasses.replace(w, w=w.w.dequantize())
+                         if isinstance(w, lorax.LoraWeight) else w, lp,
+                         is_leaf=lambda w: isinstance(w, lorax.LoraWeight))
+    loss = lorax.lora(lambda p, w: llama.loss(cfg, p, w), on_materialize="error")
+
+    def step(p):
+        t, f = lorax.partition(p, spec)
+        return jax.jit(jax.value_and_grad(lambda t: loss(lorax.combine(t, f), windows)))(t)
+
+    (v, g), (v_d, g_d) = step(lp), step(dense)
+    assert_close(v, v_d)
+    for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g_d), strict=True):
+        assert_close(a, b)
+
+
+def _edited(tmp_path: Path, name: str, **changes) -> Path:
+    d = tmp_path / name
+    shutil.copytree(MODELS / name, d)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg.update(changes)
+    (d / "config.json").write_text(json.dumps(cfg))
+    return d
+
+
+@pytest.mark.parametrize("changes, says", [
+    ({"num_attention_heads": 8}, "num_attention_heads"),
+    ({"num_key_value_heads": 4}, "num_key_value_heads"),
+    ({"intermediate_size": 96}, "intermediate_size"),
+    ({"num_hidden_layers": 3}, "layer 2 has no"),
+    ({"num_hidden_layers": 1}, "num_hidden_layers = 1"),
+    ({"vocab_size": 64}, "vocab_size"),
+    ({"model_type": "gpt2"}, "model_type 'gpt2'"),
+    ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "rope type 'yarn'"),
+])
+def test_a_config_that_disagrees_with_the_tensors_names_the_field(tmp_path, changes, says):
+    d = _edited(tmp_path, "llama3", **changes)
+    with pytest.raises(ValueError, match=says) as err:
+        hf_loader.load(d)
+    assert str(d) in str(err.value)
