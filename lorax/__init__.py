@@ -11,6 +11,7 @@ from ._formats import (
     load_peft as load_peft,
     load_safetensors as load_safetensors,
     save_gguf_lora as save_gguf_lora,
+    save_safetensors as save_safetensors,
     save_peft as save_peft,
 )
 from ._init import init_lora as init_lora
@@ -81,6 +82,7 @@ __all__ = [
     "quantize",
     "save_adapter",
     "save_gguf_lora",
+    "save_safetensors",
     "save_peft",
     "select_adapters",
     "simple_spec",

@@ -181,12 +181,17 @@ def _cast(x: Any, dtype: Any) -> Any:
     return dataclasses.replace(x, inner=q) if hasattr(x, "inner") else q
 
 
-def hf_name(path: str) -> str:
-    """The Hugging Face tensor name of a llama.py parameter path (`layers/3/q` ->
-    `model.layers.3.self_attn.q_proj.weight`)."""
-    parts = path.split("/")
-    if parts[0] == "layers":
-        inverse = {v: k for k, v in LAYER_NAMES.items()}
-        return f"model.layers.{parts[1]}.{inverse[parts[2]]}"
-    return {v: k for k, v in TOP_NAMES.items()}[parts[0]]
+def hf_tensors(p: dict) -> dict[str, Any]:
+    """llama.py's parameters (merged, or any tree `lorax.save_safetensors` takes) under
+    their Hugging Face names, kernels `(in, out)`: write them with
+    `lorax.save_safetensors(dir, hf_tensors(p), hf_config, transpose=True)`."""
+    p = llama.unstack_layers(p)
+    layer_names = {v: k for k, v in LAYER_NAMES.items()}
+    out = {}
+    for name, ours in TOP_NAMES.items():
+        if ours in p:  # the table is (vocab, dim): as transposed as the kernels
+            out[name] = p[ours].T if ours == "embed" else p[ours]
+    for i, layer in enumerate(p["layers"]):
+        out.update({f"model.layers.{i}.{layer_names[k]}": v for k, v in layer.items()})
+    return out
 

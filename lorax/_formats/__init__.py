@@ -5,3 +5,4 @@ from .gguf import save_gguf_lora as save_gguf_lora
 from .gguf_read import load_gguf as load_gguf
 from .peft import load_peft as load_peft, save_peft as save_peft
 from .safetensors_read import load_safetensors as load_safetensors
+from .safetensors_write import save_safetensors as save_safetensors

@@ -42,3 +42,47 @@ def test_the_committed_fixtures_are_what_transformers_writes_and_computes(fresh,
                 np.testing.assert_array_equal(new[key], old[key], err_msg=f"{name}/{key}")
         else:
             assert (fresh / name / f.name).read_bytes() == f.read_bytes(), f"{name}/{f.name}"
+
+
+def _merged(name: str):
+    """lorax's model of a fixture with a LoRA update (b non-zero) merged in, its logits."""
+    import dataclasses
+
+    import jax
+    import jax.numpy as jnp
+
+    import lorax
+    from examples.shakespeare import hf_loader, llama
+
+    cfg, p, hf = hf_loader.load(MODELS / name, dtype=jnp.float32)
+    spec = lorax.simple_spec(p, targets=r"(q|k|v|o|gate|up|down)$", rank=4)
+    lp = lorax.init_lora(p, spec, jax.random.PRNGKey(0))
+    lp = jax.tree.map(lambda w: dataclasses.replace(w, b=jnp.full_like(w.b, 0.05))
+                      if isinstance(w, lorax.LoraWeight) else w, lp,
+                      is_leaf=lambda w: isinstance(w, lorax.LoraWeight))
+    ids = jnp.asarray(np.load(MODELS / name / "reference.npz")["input_ids"])
+    c = cfg._replace(attention="xla")
+    logits = lorax.lora(lambda p, x: llama.logits(c, p, x))(lp, ids)
+    return lorax.merge_params(lp), hf, np.asarray(ids), np.asarray(logits)
+
+
+@pytest.mark.parametrize("name", ["llama3", "qwen3", "mistral", "llama3_bnb4"])
+def test_a_merged_model_saved_by_lorax_loads_in_transformers(tmp_path, name):
+    """`lorax.save_safetensors` of the merged model (a bnb-4bit base dequantized): shards,
+    index and config as transformers reads them, and transformers' logits are lorax's."""
+    import jax.numpy as jnp
+    import torch
+    import transformers
+
+    import lorax
+    from examples.shakespeare import hf_loader
+
+    merged, hf, ids, logits = _merged(name)
+    lorax.save_safetensors(tmp_path, hf_loader.hf_tensors(merged), hf, transpose=True,
+                           dtype=jnp.float32, max_shard_size="100KB")
+    assert (tmp_path / "model.safetensors.index.json").exists()
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path, dtype=torch.float32, attn_implementation="eager").eval()
+    with torch.no_grad():
+        theirs = model(torch.tensor(ids)).logits.numpy()
+    assert np.abs(theirs - logits).max() <= 1e-4
