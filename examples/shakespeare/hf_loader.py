@@ -181,6 +181,17 @@ def _cast(x: Any, dtype: Any) -> Any:
     return dataclasses.replace(x, inner=q) if hasattr(x, "inner") else q
 
 
+def peft_module(path: str, layer: int | None = None) -> str:
+    """`lorax.save_peft`'s `module_name`: the torch module of a llama.py parameter path,
+    stacked (`layers/q`, `layer` 3) or not (`layers/3/q`) -> `model.layers.3.self_attn.q_proj`."""
+    parts = path.split("/")
+    if parts[0] == "layers":
+        i, ours = (layer, parts[1]) if layer is not None else (parts[1], parts[2])
+        name = {v: k for k, v in LAYER_NAMES.items()}[ours]
+        return f"model.layers.{i}.{name.rsplit('.', 1)[0]}"
+    return {v: k for k, v in TOP_NAMES.items()}[parts[0]].rsplit(".", 1)[0]
+
+
 def hf_tensors(p: dict) -> dict[str, Any]:
     """llama.py's parameters (merged, or any tree `lorax.save_safetensors` takes) under
     their Hugging Face names, kernels `(in, out)`: write them with
