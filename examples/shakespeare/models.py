@@ -48,6 +48,7 @@ class Model:
     bos: bool  # each window starts with the BOS token (the tokenizer's `bos`)
     compare_dense: bool  # by default, the same job on the dense base afterwards
     notice: Callable[[], Any] | None = None
+    stored_as: str = "in the GGUF's blocks"  # the printout's word for the quantized base
 
 
 MODELS = {

@@ -31,7 +31,7 @@ if __package__ in (None, ""):  # run as a script: make `examples.shakespeare` im
 
 import lorax
 from examples import checkpointing
-from examples.shakespeare import data, models, serve
+from examples.shakespeare import data, hf_job, models, serve
 
 TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
 PROMPT = "ROMEO:\nBut, soft! what light through yonder window breaks?\n"
@@ -39,7 +39,8 @@ PROMPT = "ROMEO:\nBut, soft! what light through yonder window breaks?\n"
 
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", choices=sorted(models.MODELS), default=models.DEFAULT,
+    p.add_argument("--model", choices=sorted([*models.MODELS, "smollm2-bnb"]),
+                   default=models.DEFAULT,
                    help="the base model (models.py)")
     p.add_argument("--rank", type=int, default=8)
     p.add_argument("--alpha", type=float, default=16.0)
@@ -92,6 +93,10 @@ def parse_args(argv):
                    help="LoRA dropout on the low-rank branch's input (training steps only)")
     p.add_argument("--loraplus", type=float, default=None, metavar="RATIO",
                    help="LoRA+: the output-side factor's learning rate is RATIO x --lr")
+    p.add_argument("--checkpoint", default=None, metavar="DIR",
+                   help="fine-tune this Hugging Face checkpoint directory instead of --model "
+                        "(Llama 3.x, Qwen 3, Qwen 2.5, Mistral, SmolLM2; bf16, bnb-4bit, FP8, "
+                        "GPTQ, AWQ, compressed-tensors; with its tokenizer.json)")
     p.add_argument("--checkpoint-dir", default=None,
                    help="save the training state here (orbax): factors, optimizer state, "
                         "step, losses; never the base")
@@ -106,8 +111,12 @@ def parse_args(argv):
     if args.quick:
         args.steps, args.batch, args.seq, args.eval_windows, args.sample_tokens = 2, 2, 32, 2, 5
         args.full_ft_steps = min(args.full_ft_steps, 1)
+    hf = args.checkpoint or args.model not in models.MODELS  # a Hugging Face checkpoint
+    if hf and (args.dense_base or args.compare_dense):
+        p.error("--dense-base and --compare-dense are the GGUF models' (the dequantized GGUF); "
+                "a Hugging Face checkpoint's base is trained as it is stored")
     if args.compare_dense is None:
-        args.compare_dense = models.MODELS[args.model].compare_dense
+        args.compare_dense = not hf and models.MODELS[args.model].compare_dense
     args.targets = tuple(t.strip() for t in args.targets.split(",") if t.strip())
     unknown = set(args.targets) - set(TARGETS)
     if unknown or not args.targets:
@@ -335,7 +344,7 @@ def main(argv=None):
         clock, cpu_clock = now, cpu_now
 
     quantized = not args.dense_base
-    model = models.MODELS[args.model]
+    model = hf_job.resolve(args.model, args.checkpoint)
     if model.notice:
         model.notice()
     params, config, tokenizer = model.load(quantized=quantized)
@@ -343,7 +352,7 @@ def main(argv=None):
     params = jax.tree.map(jnp.asarray, params)
     print(f"{model.title}: {cfg.n_layers} layers, dim {cfg.dim}, "
           f"{cfg.n_heads}/{cfg.n_kv_heads} heads, vocab {cfg.vocab}; base "
-          + (f"in the GGUF's blocks ({model.base_desc})" if quantized
+          + (f"{model.stored_as} ({model.base_desc})" if quantized
              else "dense float32 (the dequantised GGUF)")
           + (f"; adapted kernels re-quantized in {args.base_qtype}" if args.base_qtype else ""))
     phase("load")
@@ -478,7 +487,8 @@ def main(argv=None):
     # The same adapter for the Hugging Face model (PEFT) and for llama.cpp (GGUF LoRA).
     exported = serve.export(lorax.combine(trainable, frozen), out_dir,
                             peft=not changes_base(args),
-                            gguf=not args.dora and not changes_base(args), model=model)
+                            gguf=not args.dora and not changes_base(args)
+                            and model.gguf_path is not None, model=model)
     if changes_base(args) or args.dora:
         print(f"({variant_name(args)}: "
               + ("no PEFT or GGUF adapter: they would be for the original base, and this "

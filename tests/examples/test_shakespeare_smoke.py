@@ -128,3 +128,26 @@ def test_plain_text_and_tokenizer_round_trip():
     assert "**" not in text and "_" not in text and "Boatswain:\n" in text
     tokenizer = gguf_loader.tokenizer()
     assert tokenizer.decode(tokenizer.encode(text).ids) == text
+
+
+@pytest.mark.slow  # ~2 minutes on CI's 2 cores; the loader itself is in test_hf_models.py
+def test_quick_run_on_a_hugging_face_checkpoint(tmp_path):
+    """`--checkpoint DIR`: SmolLM2 as a bf16 Hugging Face checkpoint (written by lorax from
+    the GGUF, with its tokenizer: what `--model smollm2-bnb` starts from, before
+    bitsandbytes quantizes it) fine-tuned through hf_loader; the PEFT adapter's modules are
+    the checkpoint's, and the untuned model is the GGUF's dense one (its values rounded to
+    bf16): the same held-out perplexity to 1%."""
+    from examples.shakespeare import hf_job
+
+    ckpt = hf_job.write_smollm2(tmp_path / "smollm2-bf16")
+    res = run_main_job(["--quick", "--checkpoint", str(ckpt)], tmp_path / "out")
+    gguf = run_main_job(["--quick", "--dense-base", "--no-compare-dense", "--no-llamacpp"],
+                        tmp_path / "gguf")
+    assert res["model"] == "checkpoint" and res["gguf_adapter"] is None
+    assert abs(res["ppl_before"] - gguf["ppl_before"]) < 1e-2 * gguf["ppl_before"]
+    assert math.isfinite(res["ppl_after"])
+    assert len(res["losses"]) == 2 and all(math.isfinite(x) for x in res["losses"])
+    config = json.loads((pathlib.Path(res["peft_adapter"]) / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str(ckpt)
+    assert sorted(config["target_modules"]) == sorted(
+        ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])

@@ -1,0 +1,139 @@
+"""The main job on Hugging Face checkpoints.
+
+- `--checkpoint DIR`: any directory `hf_loader` reads (Llama 3.x, Qwen 3, Qwen 2.5,
+  Mistral, SmolLM2; bf16, bitsandbytes, FP8, GPTQ, AWQ, compressed-tensors), with its
+  `tokenizer.json`;
+- `--model smollm2-bnb`: SmolLM2-135M-Instruct as a bitsandbytes NF4 checkpoint (double
+  quantization, Unsloth's `*-bnb-4bit` layout), made once from the GGUF the job installs
+  and cached: lorax writes the GGUF's weights as a bf16 Hugging Face checkpoint
+  (`write_smollm2`, with its tokenizer), bitsandbytes quantizes that on CPU
+  (`scripts/quantize_bnb.py`, run by `scripts/run` in the env with torch), and lorax trains
+  on the codes bitsandbytes wrote.
+
+    python -m examples.shakespeare.hf_job path            # the cached checkpoint's directory
+    python -m examples.shakespeare.hf_job write-bf16 DIR  # SmolLM2's bf16 checkpoint
+    python -m examples.shakespeare.hf_job windows DIR OUT.npy  # the job's held-out windows,
+                                                               # DIR's tokenizer (for PEFT)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+from tokenizers import Tokenizer
+
+import lorax
+
+from . import data, gguf_loader, hf_loader, llama, models
+
+SMOLLM2_HF = "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+
+def smollm2_bnb_dir() -> Path:
+    """Where `--model smollm2-bnb`'s checkpoint is cached."""
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(cache) / "lorax" / "smollm2-135m-instruct-bnb-4bit"
+
+
+def _smollm2_config(cfg: dict, tok: Any) -> dict:
+    eos = tok.token_to_id("<|endoftext|>")
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+            "hidden_size": cfg["dim"], "intermediate_size": cfg["hidden"],
+            "num_hidden_layers": cfg["n_layers"], "num_attention_heads": cfg["n_heads"],
+            "num_key_value_heads": cfg["n_kv_heads"], "rope_theta": cfg["rope_theta"],
+            "rms_norm_eps": cfg["norm_eps"], "vocab_size": cfg["vocab"], "hidden_act": "silu",
+            "max_position_embeddings": 8192, "tie_word_embeddings": True,
+            "bos_token_id": eos, "eos_token_id": eos}
+
+
+def write_smollm2(out: str | os.PathLike) -> Path:
+    """SmolLM2-135M-Instruct's GGUF (Q4_1, dequantized) as a bf16 Hugging Face checkpoint
+    with its tokenizer: what transformers and bitsandbytes read."""
+    params, cfg, tok = gguf_loader.load(quantized=False)
+    out = Path(out)
+    lorax.save_safetensors(out, hf_loader.hf_tensors(params), _smollm2_config(cfg, tok),
+                           transpose=True, dtype=jnp.bfloat16)
+    tok.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
+    return out
+
+
+def _eos(path: Path, tok: Any, hf: dict) -> str:
+    config = path / "tokenizer_config.json"
+    eos = json.loads(config.read_text()).get("eos_token") if config.exists() else None
+    if isinstance(eos, dict):
+        eos = eos.get("content")
+    if eos is None and isinstance(hf.get("eos_token_id"), int):
+        eos = tok.id_to_token(hf["eos_token_id"])
+    if eos is None:
+        raise ValueError(f"{path}: no end-of-text token (tokenizer_config.json's eos_token, "
+                         "or config.json's eos_token_id).")
+    return eos
+
+
+def _loader(path: Path):
+    def load(quantized: bool = True) -> tuple[dict, dict, Any]:
+        if not (path / "tokenizer.json").exists():
+            raise FileNotFoundError(f"{path}: no tokenizer.json (the job tokenizes its corpus "
+                                    "with the checkpoint's own tokenizer).")
+        # float32 on the CPU: quantized weights dequantize to it, dense ones are cast.
+        cfg, params, _ = hf_loader.load(path, stack=True, dtype=jnp.float32)
+        return params, cfg._asdict(), Tokenizer.from_file(str(path / "tokenizer.json"))
+    return load
+
+
+def model_for(path: str | os.PathLike, name: str = "checkpoint",
+              hf_model: str | None = None) -> models.Model:
+    """The job's `models.Model` for a Hugging Face checkpoint directory."""
+    path = Path(path)
+    hf = json.loads((path / "config.json").read_text())
+    has_tok = (path / "tokenizer.json").exists()
+    tok = Tokenizer.from_file(str(path / "tokenizer.json")) if has_tok else None
+    method = (hf.get("quantization_config") or {}).get("quant_method", "dense")
+    return models.Model(
+        name, path.name, llama, _loader(path), None, path.name, hf_model or str(path),
+        hf_loader.peft_module, "hf", "layers", method, f"{method} weights as stored",
+        _eos(path, tok, hf) if tok else "", bos=False, compare_dense=False,
+        stored_as="from the Hugging Face checkpoint")
+
+
+def held_out_windows(path: Path, n: int = 32, seq: int = 128) -> np.ndarray:
+    """The job's held-out windows (its defaults), tokenized by the checkpoint's tokenizer."""
+    tok = Tokenizer.from_file(str(path / "tokenizer.json"))
+    _, held_text = data.load_plays()
+    held = data.tokenize(tok, held_text, tok.token_to_id(_eos(path, tok, {})))
+    return np.asarray(data.eval_windows(held, n, seq))
+
+
+def resolve(model: str, checkpoint: str | None) -> models.Model:
+    """`--checkpoint DIR`, `--model smollm2-bnb` (its cached checkpoint), or a GGUF model."""
+    if checkpoint:
+        return model_for(checkpoint)
+    if model == "smollm2-bnb":
+        path = smollm2_bnb_dir()
+        if not (path / "config.json").exists():
+            raise FileNotFoundError(f"{path}: not made yet; `bash scripts/run --model "
+                                    "smollm2-bnb` makes it (bitsandbytes, in the env with torch).")
+        return model_for(path, "smollm2-bnb", SMOLLM2_HF)
+    return models.MODELS[model]
+
+
+def main(argv: list[str]) -> None:
+    if argv[:1] == ["path"]:
+        print(smollm2_bnb_dir())
+    elif argv[:1] == ["write-bf16"] and len(argv) == 2:
+        print(write_smollm2(argv[1]))
+    elif argv[:1] == ["windows"] and len(argv) == 3:
+        np.save(argv[2], held_out_windows(Path(argv[1])))
+    else:
+        raise SystemExit(__doc__)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
