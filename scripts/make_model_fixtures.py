@@ -44,6 +44,11 @@ ARCHS = {
     "qwen2": (T.Qwen2Config, T.Qwen2ForCausalLM, dict(tie_word_embeddings=True)),
     "mistral": (T.MistralConfig, T.MistralForCausalLM, dict(sliding_window=5,
                                                              tie_word_embeddings=False)),
+    # Gemma 3: sliding-window and global layers (their own RoPE bases), per-head q/k norms,
+    # norms around attention and MLP (stored without Gemma's `1 +`), embedding scaling.
+    "gemma3": (T.Gemma3TextConfig, T.Gemma3ForCausalLM, dict(
+        num_hidden_layers=3, head_dim=16, query_pre_attn_scalar=16, sliding_window=5,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"])),
 }
 
 
@@ -53,7 +58,8 @@ def random_model(arch: str) -> torch.nn.Module:
     model = model_cls(config_cls(**{**BASE, **own})).float().eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
-            centre = 1.0 if "norm" in name else 0.0
+            # Gemma's norms are stored as w in (1 + w): centred on 0, as the others' are on 1.
+            centre = 1.0 if "norm" in name and arch != "gemma3" else 0.0
             p.copy_(centre + 0.15 * torch.randn_like(p))
     return model
 

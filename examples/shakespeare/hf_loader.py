@@ -26,7 +26,7 @@ import jax.numpy as jnp
 
 import lorax
 
-from . import llama
+from . import hf_gemma3, llama
 
 MODEL_TYPES = ("llama", "qwen3", "qwen2", "mistral")
 
@@ -74,7 +74,8 @@ def config(hf: dict, where: str = "config.json") -> llama.Config:
     kind = hf.get("model_type")
     if kind not in MODEL_TYPES:
         raise ValueError(f"{where}: model_type {kind!r} is not one llama.py runs "
-                         f"({', '.join(MODEL_TYPES)}; Gemma 3 is gemma3.py).")
+                         f"({', '.join(MODEL_TYPES)}) or gemma3.py ("
+                         f"{', '.join(hf_gemma3.MODEL_TYPES)}).")
     if _field(hf, "hidden_act", where, "silu") != "silu":
         raise ValueError(f"{where}: hidden_act {hf['hidden_act']!r}: llama.py's MLP is SwiGLU.")
     theta, scaling = _rope(hf, where)
@@ -157,15 +158,19 @@ def stacked(p: dict) -> dict:
 
 
 def load(path: str | os.PathLike, *, stack: bool = False, dtype: Any = None,
-         **load_options: Any) -> tuple[llama.Config, dict, dict]:
+         **load_options: Any) -> tuple[Any, dict, dict]:
     """`(cfg, params, hf_config)` of the checkpoint at `path` (`load_options` go to
     `lorax.load_safetensors`: `quantize=`, ...). `dtype`: dense floating-point tensors cast
-    to it (quantized ones dequantize to it)."""
+    to it (quantized ones dequantize to it). A Gemma 3 checkpoint gives `gemma3.py`'s
+    `Config` and parameters (`hf_gemma3`; its layers differ, so they are never stacked)."""
     tensors, hf = lorax.load_safetensors(path, transpose=True, **load_options)
     where = os.fspath(path)
-    cfg = config(hf, os.path.join(where, "config.json"))
     if dtype is not None:
         tensors = {k: _cast(v, dtype) for k, v in tensors.items()}
+    if hf.get("model_type") in hf_gemma3.MODEL_TYPES:
+        cfg = hf_gemma3.config(hf, os.path.join(where, "config.json"))
+        return cfg, hf_gemma3.params(tensors, cfg, where), hf
+    cfg = config(hf, os.path.join(where, "config.json"))
     p = params(tensors, cfg, where)
     tied = hf.get("tie_word_embeddings", "lm_head" not in p)
     if tied:
@@ -195,7 +200,10 @@ def peft_module(path: str, layer: int | None = None) -> str:
 def hf_tensors(p: dict) -> dict[str, Any]:
     """llama.py's parameters (merged, or any tree `lorax.save_safetensors` takes) under
     their Hugging Face names, kernels `(in, out)`: write them with
-    `lorax.save_safetensors(dir, hf_tensors(p), hf_config, transpose=True)`."""
+    `lorax.save_safetensors(dir, hf_tensors(p), hf_config, transpose=True)`. Gemma 3's
+    (its layers have `post_attn_norm`) go through `hf_gemma3.hf_tensors`."""
+    if isinstance(p["layers"], list) and "post_attn_norm" in p["layers"][0]:
+        return hf_gemma3.hf_tensors(p)
     p = llama.unstack_layers(p)
     layer_names = {v: k for k, v in LAYER_NAMES.items()}
     out = {}

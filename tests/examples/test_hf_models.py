@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import lorax
-from examples.shakespeare import hf_loader, llama
+from examples.shakespeare import gemma3, hf_loader, llama
 from tests.conftest import assert_close
 
 MODELS = Path(__file__).resolve().parent.parent / "data" / "models"
@@ -39,6 +39,23 @@ def _logits(name: str, stack: bool) -> tuple[np.ndarray, dict]:
 def test_logits_equal_transformers(name, stack):
     got, ref = _logits(name, stack)
     assert np.abs(got - ref["logits"]).max() <= 1e-4
+
+
+def test_gemma3_logits_equal_transformers():
+    """Gemma 3 stays its own model (gemma3.py): sliding and global layers with their RoPE
+    bases, norms around attention and MLP stored without Gemma's `1 +`."""
+    cfg, params, _ = hf_loader.load(MODELS / "gemma3", dtype=jnp.float32)
+    assert isinstance(cfg, gemma3.Config) and cfg.sliding == (True, True, False)
+    assert (cfg.rope_theta, cfg.rope_theta_local, cfg.window) == (1e6, 1e4, 5)
+    ref = np.load(MODELS / "gemma3" / "reference.npz")
+    f = jax.jit(lorax.lora(lambda p, x: gemma3.logits(cfg._replace(attention="xla"), p, x),
+                           on_materialize="error"))
+    got = np.asarray(f(params, jnp.asarray(ref["input_ids"])))
+    assert np.abs(got - ref["logits"]).max() <= 1e-4
+    # Negative control: the norms as stored (without `1 +`) are another model.
+    raw = jax.tree.map(lambda x: x, params)
+    raw["final_norm"] = raw["final_norm"] - 1.0
+    assert np.abs(np.asarray(f(raw, jnp.asarray(ref["input_ids"]))) - ref["logits"]).max() > 1e-2
 
 
 def test_each_architecture_is_its_own_configuration():

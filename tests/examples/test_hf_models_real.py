@@ -33,7 +33,7 @@ def fresh(tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("name", ["llama3", "qwen3", "qwen2", "mistral", "llama3_bnb4"])
+@pytest.mark.parametrize("name", ["llama3", "qwen3", "qwen2", "mistral", "gemma3", "llama3_bnb4"])
 def test_the_committed_fixtures_are_what_transformers_writes_and_computes(fresh, name):
     for f in sorted((MODELS / name).iterdir()):
         if f.suffix == ".npz":
@@ -53,9 +53,10 @@ def _merged(name: str):
     import jax.numpy as jnp
 
     import lorax
-    from examples.shakespeare import hf_loader, llama
+    from examples.shakespeare import gemma3, hf_loader, llama
 
     cfg, p, hf = hf_loader.load(MODELS / name, dtype=jnp.float32)
+    model = gemma3 if isinstance(cfg, gemma3.Config) else llama
     spec = lorax.simple_spec(p, targets=r"(q|k|v|o|gate|up|down)$", rank=4)
     lp = lorax.init_lora(p, spec, jax.random.PRNGKey(0))
     lp = jax.tree.map(lambda w: dataclasses.replace(w, b=jnp.full_like(w.b, 0.05))
@@ -63,11 +64,11 @@ def _merged(name: str):
                       is_leaf=lambda w: isinstance(w, lorax.LoraWeight))
     ids = jnp.asarray(np.load(MODELS / name / "reference.npz")["input_ids"])
     c = cfg._replace(attention="xla")
-    logits = lorax.lora(lambda p, x: llama.logits(c, p, x))(lp, ids)
+    logits = lorax.lora(lambda p, x: model.logits(c, p, x))(lp, ids)
     return lorax.merge_params(lp), hf, np.asarray(ids), np.asarray(logits)
 
 
-@pytest.mark.parametrize("name", ["llama3", "qwen3", "mistral", "llama3_bnb4"])
+@pytest.mark.parametrize("name", ["llama3", "qwen3", "mistral", "gemma3", "llama3_bnb4"])
 def test_a_merged_model_saved_by_lorax_loads_in_transformers(tmp_path, name):
     """`lorax.save_safetensors` of the merged model (a bnb-4bit base dequantized): shards,
     index and config as transformers reads them, and transformers' logits are lorax's."""
