@@ -9,12 +9,11 @@ as transformers computes `1 + w`); sliding-window and global layers come from th
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 import jax.numpy as jnp
 
-from . import gemma3
+from . import gemma3, hf_names
 
 MODEL_TYPES = ("gemma3_text", "gemma3")
 
@@ -27,7 +26,9 @@ LAYER_NAMES = {
     "self_attn.q_norm.weight": "q_norm", "self_attn.k_norm.weight": "k_norm",
     "mlp.gate_proj.weight": "gate", "mlp.up_proj.weight": "up", "mlp.down_proj.weight": "down",
 }
-NORMS = {"attn_norm", "post_attn_norm", "mlp_norm", "post_mlp_norm", "q_norm", "k_norm"}
+TOP_NAMES = {"model.embed_tokens.weight": "embed", "model.norm.weight": "final_norm"}
+NORMS = {"attn_norm", "post_attn_norm", "mlp_norm", "post_mlp_norm", "q_norm", "k_norm",
+         "final_norm"}
 
 
 def _theta(hf: dict, kind: str, old: str, default: float, where: str) -> float:
@@ -68,20 +69,12 @@ def _norm(x: Any) -> Any:
 
 def params(tensors: dict[str, Any], cfg: gemma3.Config, where: str) -> dict:
     """gemma3.py's parameters from `lorax.load_safetensors(..., transpose=True)`'s tensors."""
-    layers: list[dict] = [{} for _ in range(cfg.n_layers)]
-    out: dict[str, Any] = {}
-    for name, x in tensors.items():
-        hit = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", name)
-        if hit and hit.group(2) in LAYER_NAMES:
-            i, ours = int(hit.group(1)), LAYER_NAMES[hit.group(2)]
-            if i >= cfg.n_layers:
-                raise ValueError(f"{where}: tensor {name!r} is of layer {i}, but config.json "
-                                 f"says num_hidden_layers = {cfg.n_layers}.")
-            layers[i][ours] = _norm(x) if ours in NORMS else x
-        elif name == "model.embed_tokens.weight":
-            out["embed"] = x.T  # loaded transposed: the table is (vocab, dim)
-        elif name == "model.norm.weight":
-            out["final_norm"] = _norm(x)
+    def convert(name: str, ours: str, x: Any) -> Any:
+        if ours == "embed":
+            return x.T  # loaded transposed: the table is (vocab, dim)
+        return _norm(x) if ours in NORMS else x
+
+    layers, out = hf_names.mapped(tensors, LAYER_NAMES, TOP_NAMES, cfg.n_layers, where, convert)
     for i, layer in enumerate(layers):
         missing = sorted(set(LAYER_NAMES.values()) - set(layer))
         if missing:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import re
 from typing import Any
 
 import jax
@@ -26,7 +25,7 @@ import jax.numpy as jnp
 
 import lorax
 
-from . import hf_gemma3, llama
+from . import hf_gemma3, hf_names, llama
 
 MODEL_TYPES = ("llama", "qwen3", "qwen2", "mistral")
 
@@ -120,20 +119,11 @@ def _checked(name: str, ours: str, x: Any, cfg: llama.Config, where: str) -> Any
 
 def params(tensors: dict[str, Any], cfg: llama.Config, where: str = "checkpoint") -> dict:
     """llama.py's parameters from `lorax.load_safetensors(..., transpose=True)`'s tensors."""
-    layers: list[dict] = [{} for _ in range(cfg.n_layers)]
-    out: dict[str, Any] = {}
-    for name, x in tensors.items():
-        hit = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", name)
-        if hit and hit.group(2) in LAYER_NAMES:
-            i, ours = int(hit.group(1)), LAYER_NAMES[hit.group(2)]
-            if i >= cfg.n_layers:
-                raise ValueError(f"{where}: tensor {name!r} is of layer {i}, but config.json "
-                                 f"says num_hidden_layers = {cfg.n_layers}.")
-            layers[i][ours] = _checked(name, ours, x, cfg, where)
-        elif name in TOP_NAMES:
-            ours = TOP_NAMES[name]
-            x = x.T if ours == "embed" else x  # loaded transposed: the table is (vocab, dim)
-            out[ours] = _checked(name, ours, x, cfg, where)
+    def convert(name: str, ours: str, x: Any) -> Any:
+        x = x.T if ours == "embed" else x  # loaded transposed: the table is (vocab, dim)
+        return _checked(name, ours, x, cfg, where)
+
+    layers, out = hf_names.mapped(tensors, LAYER_NAMES, TOP_NAMES, cfg.n_layers, where, convert)
     _complete(layers, out, where)
     return {**out, "layers": layers}
 
