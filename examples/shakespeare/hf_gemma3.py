@@ -70,9 +70,12 @@ def _norm(x: Any) -> Any:
 def params(tensors: dict[str, Any], cfg: gemma3.Config, where: str) -> dict:
     """gemma3.py's parameters from `lorax.load_safetensors(..., transpose=True)`'s tensors."""
     def convert(name: str, ours: str, x: Any) -> Any:
-        if ours == "embed":
-            return x.T  # loaded transposed: the table is (vocab, dim)
+        x = x.T if ours == "embed" else x  # loaded transposed: the table is (vocab, dim)
+        hf_names.checked(name, ours, x, shapes, where)
         return _norm(x) if ours in NORMS else x
+
+    shapes = hf_names.expected(cfg.dim, cfg.hidden, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
+                               cfg.vocab)
 
     layers, out = hf_names.mapped(tensors, LAYER_NAMES, TOP_NAMES, cfg.n_layers, where, convert)
     for i, layer in enumerate(layers):

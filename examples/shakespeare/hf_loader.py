@@ -91,37 +91,14 @@ def config(hf: dict, where: str = "config.json") -> llama.Config:
         rope_scaling=scaling, window=(hf.get("sliding_window") or None) if sliding else None)
 
 
-def _expected(cfg: llama.Config) -> dict[str, tuple[int, ...]]:
-    """Each parameter's shape as llama.py holds it (kernels `(in, out)`)."""
-    q, kv = cfg.n_heads * cfg.hd, cfg.n_kv_heads * cfg.hd
-    return {"attn_norm": (cfg.dim,), "mlp_norm": (cfg.dim,), "q": (cfg.dim, q),
-            "k": (cfg.dim, kv), "v": (cfg.dim, kv), "o": (q, cfg.dim), "q_bias": (q,),
-            "k_bias": (kv,), "v_bias": (kv,), "q_norm": (cfg.hd,), "k_norm": (cfg.hd,),
-            "gate": (cfg.dim, cfg.hidden), "up": (cfg.dim, cfg.hidden),
-            "down": (cfg.hidden, cfg.dim), "embed": (cfg.vocab, cfg.dim),
-            "final_norm": (cfg.dim,), "lm_head": (cfg.dim, cfg.vocab)}
-
-
-_FIELDS = {"q": "num_attention_heads, head_dim", "k": "num_key_value_heads, head_dim",
-           "v": "num_key_value_heads, head_dim", "o": "num_attention_heads, head_dim",
-           "gate": "intermediate_size", "up": "intermediate_size", "down": "intermediate_size",
-           "embed": "vocab_size", "lm_head": "vocab_size"}
-
-
-def _checked(name: str, ours: str, x: Any, cfg: llama.Config, where: str) -> Any:
-    want = _expected(cfg)[ours]
-    if tuple(x.shape) != want:
-        raise ValueError(f"{where}: tensor {name!r} has shape {tuple(x.shape)} (as llama.py "
-                         f"holds it), but config.json says {want} (hidden_size, "
-                         f"{_FIELDS.get(ours, 'hidden_size')}).")
-    return x
-
-
 def params(tensors: dict[str, Any], cfg: llama.Config, where: str = "checkpoint") -> dict:
     """llama.py's parameters from `lorax.load_safetensors(..., transpose=True)`'s tensors."""
     def convert(name: str, ours: str, x: Any) -> Any:
         x = x.T if ours == "embed" else x  # loaded transposed: the table is (vocab, dim)
-        return _checked(name, ours, x, cfg, where)
+        return hf_names.checked(name, ours, x, shapes, where)
+
+    shapes = hf_names.expected(cfg.dim, cfg.hidden, cfg.n_heads, cfg.n_kv_heads, cfg.hd,
+                               cfg.vocab)
 
     layers, out = hf_names.mapped(tensors, LAYER_NAMES, TOP_NAMES, cfg.n_layers, where, convert)
     _complete(layers, out, where)

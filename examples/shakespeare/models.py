@@ -16,8 +16,9 @@ from typing import Any, Callable
 from . import gemma3, gemma3_loader, gguf_loader, llama
 
 
-def _gemma_module(path: str, layer) -> str:
-    """`layers/3/q` -> `model.layers.3.self_attn.q_proj` (google/gemma-3-270m's names)."""
+def gemma_module(path: str, layer: Any = None) -> str:
+    """`layers/3/q` -> `model.layers.3.self_attn.q_proj` (Hugging Face Gemma 3's names;
+    `layer` is unused: the layers are a list)."""
     _, i, name = path.split("/")
     return GEMMA_MODULES[name].format(layer=i)
 
@@ -60,7 +61,7 @@ MODELS = {
     "gemma3-270m": Model(
         "gemma3-270m", "Gemma 3 270M", gemma3, gemma3_loader.load,
         gemma3_loader.default_gguf_path, gemma3_loader.GGUF_NAME,
-        gemma3_loader.HF_MODEL, _gemma_module, None, r"layers/\d+", "Q4_K_M",
+        gemma3_loader.HF_MODEL, gemma_module, None, r"layers/\d+", "Q4_K_M",
         "Q5_0 / Q4_K / Q6_K / Q8_0 kernels as in the file, Q8_0 embedding", "<eos>", bos=True,
         compare_dense=False, notice=gemma3_loader.print_terms_once),
 }

@@ -119,6 +119,8 @@ def _edited(tmp_path: Path, name: str, **changes) -> Path:
     shutil.copytree(MODELS / name, d)
     cfg = json.loads((d / "config.json").read_text())
     cfg.update(changes)
+    if "layer_types" in cfg and "num_hidden_layers" in changes:  # Gemma 3: one per layer
+        cfg["layer_types"] = (cfg["layer_types"] * 2)[:changes["num_hidden_layers"]]
     (d / "config.json").write_text(json.dumps(cfg))
     return d
 
@@ -133,8 +135,50 @@ def _edited(tmp_path: Path, name: str, **changes) -> Path:
     ({"model_type": "gpt2"}, "model_type 'gpt2'"),
     ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "rope type 'yarn'"),
 ])
-def test_a_config_that_disagrees_with_the_tensors_names_the_field(tmp_path, changes, says):
-    d = _edited(tmp_path, "llama3", **changes)
+@pytest.mark.parametrize("name", ["llama3", "gemma3"])
+def test_a_config_that_disagrees_with_the_tensors_names_the_field(tmp_path, changes, says, name):
+    if name == "gemma3" and "rope_parameters" in changes:  # Gemma's: per layer kind
+        changes = {"rope_parameters": {"full_attention": {"rope_type": "yarn"}}}
+    if name == "gemma3" and changes.get("num_hidden_layers") == 3:  # it has 3; llama3 has 2
+        changes, says = {"num_hidden_layers": 4}, "layer 3 has no"
+    d = _edited(tmp_path, name, **changes)
     with pytest.raises(ValueError, match=says) as err:
         hf_loader.load(d)
     assert str(d) in str(err.value)
+
+
+@pytest.mark.parametrize("name, bos", [("gemma3", True), ("llama3", True), ("qwen3", False)])
+def test_the_job_takes_each_architecture_with_its_tokenizer(tmp_path, name, bos):
+    """`--checkpoint DIR`'s model: Gemma 3 runs gemma3.py (a list of layers), the Llama
+    family llama.py (stacked under scan); windows start with a BOS exactly where the
+    checkpoint's tokenizer puts one before a text; PEFT's module names are the checkpoint's."""
+    from examples.shakespeare import hf_job
+    from tests.examples import char_tokenizer
+
+    d = tmp_path / name
+    shutil.copytree(MODELS / name, d)
+    char_tokenizer.write(d, json.loads((d / "config.json").read_text())["vocab_size"], bos)
+    model = hf_job.model_for(d)
+    params, config, tok = model.load()
+    cfg = model.module.Config(**config)
+    gemma = name == "gemma3"
+    assert model.module is (gemma3 if gemma else llama) and model.bos is bos
+    assert isinstance(params["layers"], list) is gemma
+    assert tok.bos == (2 if bos else None) and tok.encode("ab").ids == tok.encode_batch(["ab"])[0].ids
+    assert model.eos == "<eos>" and tok.token_to_id(model.eos) == 1
+    assert model.hf_modules("layers/2/down" if gemma else "layers/down", 2) == (
+        "model.layers.2.mlp.down_proj")
+    windows = hf_job.held_out_windows(d, n=2, seq=16)
+    assert windows.shape == (2, 17) and ((windows[:, 0] == 2).all() if bos else (windows != 2).all())
+    logits = model.module.logits(cfg._replace(attention="xla"), params, jnp.asarray(windows))
+    assert logits.shape == (2, 17, cfg.vocab) and np.isfinite(np.asarray(logits)).all()
+
+
+def test_a_directory_without_its_files_says_what_is_missing(tmp_path):
+    from examples.shakespeare import hf_job
+
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        hf_job.model_for(tmp_path)
+    shutil.copytree(MODELS / "qwen3", tmp_path / "q")
+    with pytest.raises(FileNotFoundError, match="no tokenizer.json"):
+        hf_job.model_for(tmp_path / "q")

@@ -151,3 +151,36 @@ def test_quick_run_on_a_hugging_face_checkpoint(tmp_path):
     assert config["base_model_name_or_path"] == str(ckpt)
     assert sorted(config["target_modules"]) == sorted(
         ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+
+
+@pytest.mark.slow  # ~1 minute on CI's 2 cores; the model dispatch itself is in test_hf_models.py
+def test_quick_run_on_a_gemma3_checkpoint(tmp_path):
+    """`--checkpoint DIR` on a Gemma 3 directory (transformers' tiny random Gemma 3, with a
+    character tokenizer that puts a BOS before each text): gemma3.py trains on it, its
+    held-out perplexity before training is the checkpoint's own on the same BOS-led
+    windows, and the PEFT adapter names Gemma's modules per layer."""
+    import shutil
+
+    import jax.numpy as jnp
+
+    from examples.shakespeare import gemma3, hf_job, hf_loader
+    from tests.examples import char_tokenizer
+
+    ckpt = tmp_path / "gemma3"
+    shutil.copytree(ROOT / "tests" / "data" / "models" / "gemma3", ckpt)
+    char_tokenizer.write(ckpt, 128, bos=True)
+    res = run_main_job(["--quick", "--checkpoint", str(ckpt)], tmp_path / "out")
+    cfg, params, _ = hf_loader.load(ckpt, dtype=jnp.float32)
+    windows = hf_job.held_out_windows(ckpt, n=2, seq=32)
+    assert (windows[:, 0] == 2).all()
+    own = float(np.exp(gemma3.loss(cfg, params, jnp.asarray(windows))))
+    assert abs(res["ppl_before"] - own) < 1e-3 * own
+    assert math.isfinite(res["ppl_after"]) and res["gguf_adapter"] is None
+    assert len(res["losses"]) == 2 and all(math.isfinite(x) for x in res["losses"])
+    peft = pathlib.Path(res["peft_adapter"])
+    from safetensors import safe_open
+
+    with safe_open(peft / "adapter_model.safetensors", "np") as f:
+        names = set(f.keys())
+    assert "base_model.model.model.layers.2.self_attn.q_proj.lora_A.weight" in names
+    assert len(names) == 2 * 7 * cfg.n_layers
