@@ -17,6 +17,7 @@ private surface, and what breaks without it:
 | `jax._src.ad_checkpoint.remat_p`, `name_p`; `jax._src.dispatch.device_put_p`; `jax._src.interpreters.partial_eval.Recompute` | the `checkpoint` rule; asking its policy whether it recomputes a move and what a rule names (`recomputed`) |
 | `jax._src.sharding_impls.parse_flatten_op_sharding`, `GSPMDSharding._hlo_sharding` | reading the shardings XLA's partitioner hands the quantized contraction (`_rules/quant_partitioned.py`) |
 | `jax._src.lax.lax.ragged_dot_general_p` | the `ragged_dot` rule (MoE experts; optional: `None` where absent) |
+| `jax._src.pjit.reshard_p` | the `reshard` rule (Explicit mesh axes; optional: `None` where absent) |
 | `equinox._module._module.jtu` | `LoraWeight`'s own (fast) pytree registration, see `FastPytreeMeta` |
 
 `SUPPORTED` holds the versions this surface is tested with (the package's
@@ -86,6 +87,7 @@ try:
     from jax._src import core as _core
     from jax._src import dispatch as _dispatch
     from jax._src import sharding_impls as _sharding_impls
+    from jax._src import pjit as _pjit
     from jax._src.interpreters import partial_eval as _pe
     from equinox._module import _module as _eqx_module
     from quax import _trace as _quax_trace
@@ -112,6 +114,8 @@ except (ImportError, AttributeError) as _err:
 # `lax.ragged_dot` / `ragged_dot_general`'s primitive is not public; a JAX without it
 # has no ragged_dot for a rule to catch either.
 ragged_dot_general_p = getattr(_lax_internal, "ragged_dot_general_p", None)
+# `jax.sharding.reshard`'s primitive (sharding in types), likewise not public.
+reshard_p = getattr(_pjit, "reshard_p", None)
 
 if unsupported_versions():
     warnings.warn(
@@ -135,6 +139,7 @@ __all__ = [
     "materialize_policy",
     "pvary_p",
     "ragged_dot_general_p",
+    "reshard_p",
     "register",
     "register_shard_map_rule",
     "remat_p",

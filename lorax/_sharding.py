@@ -130,6 +130,12 @@ def weight_aval(w: Any, leaves: tuple[Any, ...]) -> Any:
     )
     varying = frozenset().union(*map(varying_axes, leaves))
     if not varying:
+        # Sharding in types: the weight is typed as `w` is (a quantized `w`: its own aval).
+        typed = w.aval() if hasattr(w, "aval") and callable(w.aval) else w
+        if isinstance(typed, (jax.Array, jax.core.Tracer, jax.core.ShapedArray)) and (
+                _explicit_type(typed) is not None):
+            return jax.typeof(typed).update(weak_type=False) if not isinstance(
+                typed, jax.core.ShapedArray) else typed
         return aval
     # A quantized `w` is no JAX type: its shape and dtype, typed like a leaf that varies.
     like = jax.typeof(w) if isinstance(w, (jax.Array, jax.core.Tracer)) else \
@@ -224,40 +230,62 @@ def gathered(x: Any, mesh: Any) -> Any:
     return whole.reshape(x.shape)
 
 
-def explicit_axes(x: Any) -> tuple[str, ...]:
-    """The `AxisType.Explicit` axes of the mesh `x` is typed with (none for Auto meshes)."""
-    mesh = _mesh_of(x)
-    names = getattr(mesh, "axis_names", ())
-    types = getattr(mesh, "axis_types", ())
-    explicit = getattr(jax.sharding, "AxisType", None)
-    if explicit is None:
-        return ()
-    return tuple(n for n, t in zip(names, types) if t == explicit.Explicit)
+# -- Explicit mesh axes (sharding in types) ------------------------------------------------
+#
+# Under `AxisType.Explicit` a value's sharding is part of its type, and a `dot_general`
+# whose operands are both split along a contracted axis must be told where its result
+# lives. The model states that for its own products (`out_sharding=`); the low-rank
+# products the rules add have no such annotation, so they get the one below, the layout
+# Auto-mode propagation picks for them: each kept axis sharded as the operand that has it,
+# a sharded contraction summed (an all-reduce of the rank-`k` intermediate, never of an
+# activation-sized value).
 
 
-def check_no_explicit_axes(where: str, args: tuple, kwargs: dict,
-                           is_weight: Callable[[Any], bool]) -> None:
-    """Raise if a weight among a call's arguments is typed on a mesh with Explicit axes.
+def _explicit_type(x: Any) -> Any:
+    """`x`'s sharding type, where its mesh has Explicit axes (else None)."""
+    aval = x if isinstance(x, jax.core.ShapedArray) else jax.typeof(x)
+    sharding = getattr(aval, "sharding", None)
+    mesh = getattr(sharding, "mesh", None)
+    kinds = getattr(mesh, "axis_types", ())
+    explicit = getattr(getattr(jax.sharding, "AxisType", None), "Explicit", object())
+    return sharding if any(t == explicit for t in kinds) else None
 
-    With sharding in types every dot must say how its output is sharded when both
-    operands are split along the contraction; the low-rank intermediates `x @ b`
-    have no such annotation in the model to copy, so JAX would stop with a
-    message about the model's own dots. Say what is actually unsupported instead.
-    """
-    named = [(f"argument {i}", a) for i, a in enumerate(args)]
-    named += [(f"keyword argument {k!r}", v) for k, v in kwargs.items()]
-    for name, arg in named:
-        for path, leaf in jax.tree_util.tree_flatten_with_path(arg, is_leaf=is_weight)[0]:
-            if not is_weight(leaf):
-                continue
-            w = leaf.w
-            # A quantized `w` is typed through its codes (its first leaf).
-            axes = explicit_axes(next(iter(jax.tree.leaves(w)), None))
-            if axes:
-                raise NotImplementedError(
-                    f"{where}: the LoraWeight at {name}{jax.tree_util.keystr(path)} is "
-                    f"typed on a mesh with Explicit axes {axes} (sharding in types; "
-                    "jax.make_mesh's default). lorax supports Auto mesh axes: build the "
-                    "mesh with axis_types=(jax.sharding.AxisType.Auto,) * n or as "
-                    "jax.sharding.Mesh(devices, names)."
-                )
+
+def labelled_out_sharding(operands: tuple[tuple[Any, tuple[int, ...]], ...],
+                          out: tuple[int, ...]) -> PartitionSpec | None:
+    """The `out_sharding` of a product of labelled operands `(array, labels)` with output
+    labels `out`, under Explicit mesh axes: each output axis sharded as the first operand
+    axis with its label, a mesh axis used once. None where no operand is explicitly typed
+    (an Auto mesh, or none), so the product is left to sharding propagation."""
+    typed = [(_explicit_type(x), labels) for x, labels in operands]
+    if not any(t is not None for t, _ in typed):
+        return None
+    by_label: dict[int, Any] = {}
+    for sharding, labels in typed:
+        if sharding is None:
+            continue
+        for label, entry in zip(labels, sharding.spec):
+            if by_label.get(label) is None:
+                by_label[label] = entry
+    used: set = set()
+    entries = []
+    for label in out:
+        axes = _mesh_axes(by_label.get(label))
+        if not axes or used & set(axes):
+            entries.append(None)
+            continue
+        used.update(axes)
+        entries.append(by_label[label])
+    return PartitionSpec(*entries)
+
+
+def explicitly_typed(x: Any) -> bool:
+    """`x`'s sharding is part of its type (its mesh has Explicit axes)."""
+    return x is not None and _explicit_type(x) is not None
+
+
+def out_sharding_of(x: Any) -> PartitionSpec | None:
+    """`x`'s own spec as an `out_sharding` for a value to be added to it, under Explicit
+    axes (else None)."""
+    sharding = _explicit_type(x)
+    return None if sharding is None else PartitionSpec(*sharding.spec)

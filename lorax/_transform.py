@@ -90,7 +90,6 @@ def lora(fn: F, *, on_materialize: _engine.MaterializePolicy = "warn") -> F:
 
     @functools.wraps(fn)
     def lora_fn(*args: Any, **kwargs: Any) -> Any:
-        _sharding.check_no_explicit_axes("lora", args, kwargs, _is_lora)
         args, kwargs = jax.tree_util.tree_map(_freeze, (args, kwargs), is_leaf=_engine.is_value)
         mesh = _sharding.call_mesh(jax.tree_util.tree_leaves((args, kwargs)))
         with policy_guard(), _engine.mesh_scope(mesh):

@@ -426,20 +426,6 @@ def test_sharding_constraint_on_a_lora_weight_constrains_its_factors(data):
     }
 
 
-# -- Explicit mesh axes ----------------------------------------------------------------
-
-
-def test_explicit_mesh_axes_raise_a_clear_error(data):
-    explicit = jax.sharding.AxisType.Explicit
-    mesh = mesh_for("tp", axis_types=(explicit, explicit))
-    _, _, specs, _ = LAYOUTS["tp"]
-    _, lp, _ = lora_setup(data, mesh, specs)  # placing the factors works on any mesh
-    assert lp["down"].b.sharding.spec == P("model", None)
-    x = jnp.ones((B, D))
-    with pytest.raises(NotImplementedError, match=r"argument 0\['down'\].*Explicit.*AxisType.Auto"):
-        lorax.lora(lambda p, x: x @ p["q"] + x @ p["down"].T)(lp, x)
-
-
 # -- parameter lifecycle on sharded weights --------------------------------------------
 
 

@@ -16,7 +16,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from .. import _engine
 from .._checks import check_bool
 from .._placement import on_device
-from .._sharding import weight_aval
+from .._sharding import explicitly_typed, weight_aval
 from . import _formats as F
 
 
@@ -152,7 +152,15 @@ class QuantizedArray(AbstractDequantized, metaclass=_engine.FastPytreeMeta):
                 "weights with the stack axis first: LoraSpec(batch_ndim=1)), or index the "
                 "array inside the function instead.")
         st = self.storage_shape
-        dense = jax.ShapeDtypeStruct(logical_shape(st[:-1], st[-1], self.axis), self.dense_dtype)
+        shape = logical_shape(st[:-1], st[-1], self.axis)
+        if explicitly_typed(self.codes):  # typed as the dense value its codes' layout gives
+            storage = jax.typeof(self.codes).sharding
+            entries = tuple(storage.spec)[:-1]
+            block = len(shape) + self.axis
+            spec = P(*entries[:-1][:block], entries[-1], *entries[:-1][block:])
+            return jax.core.ShapedArray(shape, self.dense_dtype,
+                                        sharding=storage.update(spec=spec))
+        dense = jax.ShapeDtypeStruct(shape, self.dense_dtype)
         # Inside a shard_map it varies over the manual axes its leaves vary over.
         return weight_aval(dense, tuple(x for x in self.leaves() if x is not None))
 
@@ -262,6 +270,13 @@ class QuantizedArray(AbstractDequantized, metaclass=_engine.FastPytreeMeta):
         """The dense value with the block axis last (`storage_shape`), in `dtype`
         (default `dense_dtype`), rounded once from the float32 values."""
         dtype = self.dense_dtype if dtype is None else jnp.dtype(dtype)
+        if explicitly_typed(self.codes):
+            # Sharding in types: the lookups and reshapes below have no one result type,
+            # so they run as on an Auto mesh, the result laid out as the codes' blocks.
+            spec = P(*jax.typeof(self.codes).sharding.spec[:-1])
+            return jax.sharding.auto_axes(
+                lambda leaves: self.with_leaves(leaves).dequantize_storage(dtype),
+                out_sharding=spec)(self.leaves())
         # Host-resident leaves (`lorax.offload_frozen`) are read in device memory.
         codes, scales, mins, ss, so = map(on_device, (self.codes, self.scales, self.mins,
                                                       self.scale_scales, self.scale_offset))

@@ -20,6 +20,8 @@ import jax.numpy as jnp
 from jax import Array, lax
 from jax.custom_derivatives import SymbolicZero
 
+from .._sharding import labelled_out_sharding
+
 Labels = tuple[int, ...]
 
 
@@ -69,13 +71,16 @@ def contract(
         (tuple(xl.index(l) for l in contracting), tuple(yl.index(l) for l in contracting)),
         (tuple(xl.index(l) for l in batch), tuple(yl.index(l) for l in batch)),
     )
-    out = lax.dot_general(x, y, dims, **dot_params)
     labels = (
         *batch,
         *(l for l in xl if l not in shared),
         *(l for l in yl if l not in shared),
     )
-    return out, labels
+    if dot_params.get("out_sharding") is None:
+        typed = labelled_out_sharding(((x, xl), (y, yl)), labels)
+        if typed is not None:
+            dot_params = {**dot_params, "out_sharding": typed}
+    return lax.dot_general(x, y, dims, **dot_params), labels
 
 
 def gate_rank(t: Array, tl: Sequence[int], gate: Array | None, gate_l: Sequence[int]) -> Array:

@@ -41,7 +41,7 @@ from .. import _engine
 from .._quant import _formats as F
 from .._quant._array import QuantizedArray
 from .._placement import in_host_memory, on_device
-from .._sharding import gathered, manual
+from .._sharding import call_mesh, explicitly_typed, gathered, labelled_out_sharding, manual
 from ._contract import arrange, contract, dot_labels
 from .gather import _drop_whole_columns
 from .quant_partitioned import quantized_contraction
@@ -132,7 +132,9 @@ class _DotPlan:
 
     def transposed(self, dy: Array) -> "_DotPlan":
         """The plan of `x`'s cotangent: `dy` (labels `out`) contracted with the weight."""
-        params = tuple((k, v) for k, v in self.params if k != "preferred_element_type")
+        # `x`'s cotangent is typed by its operands (`contract`), not as the product was.
+        params = tuple((k, v) for k, v in self.params
+                       if k not in ("preferred_element_type", "out_sharding"))
         return dataclasses.replace(self, xl=self.out, out=self.xl, x_shape=tuple(dy.shape),
                                    x_dtype=jnp.dtype(dy.dtype), params=params)
 
@@ -244,8 +246,6 @@ def quantized_dot(qa: QuantizedArray, x: Array, *, w_first: bool, dimension_numb
 
 
 def _dot_ok(params: dict) -> str | None:
-    if params.get("out_sharding") is not None:
-        return "an explicit out_sharding"
     try:
         hash(tuple(sorted(params.items())))
     except TypeError:
@@ -259,8 +259,30 @@ def _dot_rule(lhs: Any, rhs: Any, w_first: bool, dimension_numbers: Any, params:
     if why or _engine.is_value(x):
         return _engine.materialize_fallback(
             lax.dot_general_p, [lhs, rhs], dict(dimension_numbers=dimension_numbers, **params), why)
-    return quantized_dot(qa, jnp.asarray(x), w_first=w_first,
-                         dimension_numbers=dimension_numbers, **params)
+    x = jnp.asarray(x)
+    if explicitly_typed(x) or explicitly_typed(qa.codes):
+        return _explicit_quantized_dot(qa, x, w_first, dimension_numbers, params)
+    return quantized_dot(qa, x, w_first=w_first, dimension_numbers=dimension_numbers, **params)
+
+
+def _explicit_quantized_dot(qa: QuantizedArray, x: Array, w_first: bool,
+                            dimension_numbers: Any, params: dict) -> Array:
+    """The quantized product under Explicit mesh axes: computed as on an Auto mesh
+    (`auto_axes`: the codes dequantized where they lie, by the partitioned op), its result
+    typed as the model asked (`out_sharding`) or as its operands' types say."""
+    nd = (qa.ndim, x.ndim) if w_first else (x.ndim, qa.ndim)
+    ll, rl, out = dot_labels(*nd, dimension_numbers)
+    wl, xl = (ll, rl) if w_first else (rl, ll)
+    spec = params.get("out_sharding") or labelled_out_sharding(
+        ((x, xl), (qa.codes, _storage_labels(qa, wl))), out)
+    rest = {k: v for k, v in params.items() if k != "out_sharding"}
+
+    def product(x: Array, leaves: tuple) -> Array:
+        with _engine.mesh_scope(call_mesh([x, *leaves])):
+            return quantized_dot(qa.with_leaves(leaves), x, w_first=w_first,
+                                 dimension_numbers=dimension_numbers, **rest)
+
+    return jax.sharding.auto_axes(product, out_sharding=spec)(x, _leaves(qa))
 
 
 @_engine.register(lax.dot_general_p)

@@ -20,9 +20,11 @@ from typing import Any, NamedTuple
 import jax
 from jax import Array, lax
 from jax.typing import ArrayLike
+from jax.sharding import PartitionSpec as P
 
 from .. import _engine
 from .._placement import read_frozen
+from .._sharding import out_sharding_of
 from .._weight import LoraWeight
 from .dot import scale
 
@@ -98,10 +100,33 @@ def _impl(x, w, b, a, group_sizes, rest, x_low, *, plan, factor_scale, params):
         lambda x, w: bind(x, w, params["ragged_dot_dimension_numbers"], **rest_params), x, w),
         w, x)
     f1, f2 = (b, a) if plan.f1_is_b else (a, b)
-    t = bind(x if x_low is None else x_low, f1.astype(w.dtype), plan.first, **low)
+    x1 = x if x_low is None else x_low
+    t = bind(x1, f1.astype(w.dtype), plan.first, **_typed(low, _rank_spec(x1, plan.first)))
     t = scale(t, factor_scale)
-    y = bind(t, f2.astype(w.dtype), plan.second, **low)
+    y = bind(t, f2.astype(w.dtype), plan.second, **_typed(low, _sharding_of(base)))
     return base + y.astype(base.dtype)
+
+
+def _rank_spec(x: Array, dn: Any) -> Any:
+    """Under Explicit axes, the rank-`k` intermediate's sharding: `x`'s batch and free axes
+    as `x` has them, the rank axis whole (else None: left to propagation)."""
+    spec = out_sharding_of(x)
+    if spec is None:
+        return None
+    (lc, _), (lb, _) = dn.dot_dimension_numbers
+    entries = tuple(spec) + (None,) * (x.ndim - len(spec))
+    free = [d for d in range(x.ndim) if d not in lc and d not in lb]
+    spec = P(*(entries[d] for d in (*lb, *free)), None)
+    return jax.typeof(x).sharding.update(spec=spec)
+
+
+def _sharding_of(x: Array) -> Any:
+    return None if out_sharding_of(x) is None else jax.typeof(x).sharding
+
+
+def _typed(params: dict, sharding: Any) -> dict:
+    # The primitive takes a sharding on the traced (abstract) mesh, not a bare spec.
+    return params if sharding is None else {**params, "out_sharding": sharding}
 
 
 # Traced once per distinct shapes and parameters (see dot._contract_jit).

@@ -1,8 +1,8 @@
-"""Layout primitives: `shard_map`, `with_sharding_constraint` and `pvary` on a `LoraWeight`
-(and `shard_map` / `with_sharding_constraint` on a `QuantizedArray`, whose codes, scales
-and mins follow the dense value's layout: `QuantizedArray.leaf_specs`).
+"""Layout primitives: `shard_map`, `with_sharding_constraint`, `reshard` (Explicit mesh
+axes) and `pvary` on a `LoraWeight` (and all but `pvary`'s inverse on a `QuantizedArray`,
+whose codes, scales and mins follow the dense value's layout: `QuantizedArray.leaf_specs`).
 
-The first two state a layout for `W`; the factors get the one `lorax._sharding`
+The first three state a layout for `W`; the factors get the one `lorax._sharding`
 derives from it (`b` on `W`'s batch and `M` axes, `a` on its batch and `N` axes, the
 rank axis replicated), so each device holds the factor rows and columns that meet
 its shard of `W` and the low-rank path runs shard by shard with no `W + BA` anywhere.
@@ -24,6 +24,7 @@ from .._weight import LoraWeight
 
 sharding_constraint_p = _prims.sharding_constraint_p
 pvary_p = _engine.pvary_p
+reshard_p = _engine.reshard_p
 
 
 # -- shard_map ---------------------------------------------------------------------
@@ -165,3 +166,36 @@ def _constrain_quantized(qa: QuantizedArray, *, sharding: Any, layout: Any,
         x, sharding=sharding.update(spec=spec), layout=None, context_mesh=context_mesh,
         unconstrained_dims=frozenset()) for x, spec in zip(qa.leaves(), specs)]
     return qa.with_leaves(leaves)
+
+
+# -- reshard (sharding in types) --------------------------------------------------------
+
+
+def _reshard_rule(value: Any, *, dst_sharding: Any, **params: Any) -> Any:
+    """`jax.sharding.reshard` of a `LoraWeight` or `QuantizedArray`: each part moved to the
+    layout derived from the one asked for the whole (under FSDP, a model regathers its
+    weights this way before using them: the factors are regathered with `W`)."""
+    spec = getattr(dst_sharding, "spec", dst_sharding)
+
+    def move(x: Any, part_spec: Any) -> Any:
+        return reshard_p.bind(x, dst_sharding=dst_sharding.update(spec=part_spec), **params)
+
+    if type(value) is QuantizedArray:
+        specs = value.leaf_specs(spec)
+        return value.with_leaves([None if x is None else move(x, s)
+                                  for x, s in zip(value.leaves(), specs)])
+    a_spec, b_spec = factor_specs(spec, value.ndim, value.structure[0], value.axes.m)
+    w = (_reshard_rule(value.w, dst_sharding=dst_sharding, **params)
+         if type(value.w) is QuantizedArray else move(value.w, spec))
+    return LoraWeight(w, a=move(value.a, a_spec), b=move(value.b, b_spec), alpha=value.alpha,
+                      m_axes=value.m_axes)
+
+
+if reshard_p is not None:
+    @_engine.register(reshard_p)
+    def _(lw: LoraWeight, *, dst_sharding: Any, **params: Any) -> Any:
+        return _reshard_rule(lw, dst_sharding=dst_sharding, **params)
+
+    @_engine.register(reshard_p)
+    def _(qa: QuantizedArray, *, dst_sharding: Any, **params: Any) -> Any:
+        return _reshard_rule(qa, dst_sharding=dst_sharding, **params)
