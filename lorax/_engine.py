@@ -660,9 +660,16 @@ _scan_cache = _DecisionKeyedCache({})
 
 def _slice_aval(x: Any) -> Any:
     aval = jax.typeof(x)
+    typed = {}
+    sharding = getattr(aval, "sharding", None)
+    explicit = jax.sharding.AxisType.Explicit
+    if any(t == explicit for t in getattr(getattr(sharding, "mesh", None), "axis_types", ())):
+        # Sharding in types: a slice is typed as the stack's other axes are.
+        typed["sharding"] = sharding.update(spec=jax.sharding.PartitionSpec(
+            *tuple(sharding.spec)[1:]))
     return jax.core.ShapedArray(tuple(x.shape[1:]), x.dtype,
                                 memory_space=getattr(aval, "memory_space", None)
-                                or jax.memory.Space.Device)
+                                or jax.memory.Space.Device, **typed)
 
 
 def _memory_spaces(leaves: Sequence[Any]) -> tuple:

@@ -301,3 +301,54 @@ def test_ragged_dot_under_explicit_axes():
         assert_close(got, jax.jit(fn)(merged, x, sizes), rtol=1e-5, atol=1e-5)
         with pytest.raises(NotImplementedError, match="ragged_dot_general"):
             jax.grad(lambda x: jnp.sum(fn(merged, x, sizes) ** 2))(x)
+
+
+@pytest.mark.parametrize("qtype", [None, "nf4"])
+def test_stacked_layers_under_scan_with_explicit_axes(qtype):
+    """Layers stacked along a leading axis and run under `lax.scan` (the examples' Llama's
+    layout), tensor-parallel: each slice is typed as its stack, so the factors'
+    cotangents are, and LoRA and QLoRA give the merged weights' values and gradients."""
+    mesh = jax.make_mesh((4, 2), ("data", "model"))
+    rng = np.random.default_rng(4)
+    n, d, f = 3, 64, 128
+    out = P("data", None, None)
+
+    def fn(p, x):
+        def body(h, layer):
+            y = jax.nn.gelu(h @ layer["up"])
+            return h + jnp.matmul(y, layer["down"], out_sharding=out), None
+        return jnp.mean(jax.lax.scan(jax.checkpoint(body), x, p)[0] ** 2)
+
+    with jax.set_mesh(mesh):
+        params = {"up": reshard(jnp.asarray(rng.standard_normal((n, d, f)) / 8, jnp.float32),
+                                P(None, None, "model")),
+                  "down": reshard(jnp.asarray(rng.standard_normal((n, f, d)) / 11, jnp.float32),
+                                  P(None, "model", None))}
+        spec = {k: lorax.LoraSpec(rank=4, batch_ndim=1) for k in params}
+        base = lorax.quantize(params, spec, qtype) if qtype else params
+        lp = lorax.init_lora(base, spec, jax.random.PRNGKey(0))
+        lp = {k: lorax.LoraWeight(lw.w, a=lw.a, b=reshard(jnp.asarray(
+            0.1 * rng.standard_normal(lw.b.shape), jnp.float32), jax.typeof(lw.b).sharding.spec),
+            alpha=lw.alpha) for k, lw in lp.items()}
+        x = reshard(jnp.asarray(rng.standard_normal((8, 16, d)), jnp.float32), P("data", None, None))
+        trainable, frozen = lorax.partition(lp, spec)
+        value, grads = jax.jit(jax.value_and_grad(lambda t, x: lorax.lora(
+            fn, on_materialize="error")(lorax.combine(t, frozen), x)))(trainable, x)
+        dense = {k: np.asarray(lw.w.dequantize() if qtype else lw.w) for k, lw in lp.items()}
+    for k in params:
+        assert grads[k].a.sharding.spec == lp[k].a.sharding.spec
+        assert grads[k].b.sharding.spec == lp[k].b.sharding.spec
+    host = {k: lorax.LoraWeight(dense[k], a=np.asarray(lw.a), b=np.asarray(lw.b), alpha=lw.alpha)
+            for k, lw in lp.items()}
+    t_ref, f_ref = lorax.partition(host, spec)
+
+    def plain(p, x):
+        def body(h, layer):
+            return h + jax.nn.gelu(h @ layer["up"]) @ layer["down"], None
+        return jnp.mean(jax.lax.scan(body, x, p)[0] ** 2)
+
+    ref_value, ref_grads = jax.value_and_grad(
+        lambda t: lorax.lora(plain)(lorax.combine(t, f_ref), np.asarray(x)))(t_ref)
+    assert_close(value, ref_value, rtol=1e-5)
+    for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True):
+        assert_close(got, want, rtol=1e-5, atol=1e-7)
