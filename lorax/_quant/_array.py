@@ -287,6 +287,34 @@ class QuantizedArray(AbstractDequantized, metaclass=_engine.FastPytreeMeta):
         w = F.dequantize_blocks(self.format, codes, scales, mins)
         return w.astype(dtype)
 
+    def single_level_scales(self) -> "QuantizedArray":
+        """The same weight with double-quantized scales (QLoRA's, bitsandbytes') expanded
+        to the float32 values `dequantize` reads, the second level dropped: the codes
+        untouched, the values bit for bit the same. For relaying out the blocks where a
+        second-level group would straddle the new layout.
+
+        **Returns:**
+
+        A `QuantizedArray` with `scale_scales` and `scale_offset` `None` (`self` where
+        there are none).
+
+        **Example:**
+
+        ```python
+        import jax, jax.numpy as jnp, lorax
+        w = lorax.QuantizedArray.from_dense(
+            jax.random.normal(jax.random.PRNGKey(0), (256, 64)), "nf4", double_quant=True)
+        plain = w.single_level_scales()
+        assert plain.scale_scales is None
+        assert jnp.array_equal(plain.dequantize(), w.dequantize())
+        ```
+        """
+        if self.scale_scales is None:
+            return self
+        scales = F.double_dequantize(self.format, self.scales, self.scale_scales,
+                                     self.scale_offset)
+        return self.with_leaves((self.codes, scales, self.mins, None, None))
+
     @property
     def scaled_in_dense_dtype(self) -> bool:
         """int8 or int4 codes whose scales are stored in the 16-bit `dense_dtype`:
