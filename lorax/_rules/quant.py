@@ -41,7 +41,7 @@ from .. import _engine
 from .._quant import _formats as F
 from .._quant._array import QuantizedArray
 from .._placement import in_host_memory, on_device
-from .._sharding import call_mesh, explicitly_typed, gathered, labelled_out_sharding, manual
+from .._sharding import explicitly_typed, gathered, labelled_out_sharding, manual
 from ._contract import arrange, contract, dot_labels
 from .gather import _drop_whole_columns
 from .quant_partitioned import quantized_contraction
@@ -267,9 +267,12 @@ def _dot_rule(lhs: Any, rhs: Any, w_first: bool, dimension_numbers: Any, params:
 
 def _explicit_quantized_dot(qa: QuantizedArray, x: Array, w_first: bool,
                             dimension_numbers: Any, params: dict) -> Array:
-    """The quantized product under Explicit mesh axes: computed as on an Auto mesh
-    (`auto_axes`: the codes dequantized where they lie, by the partitioned op), its result
-    typed as the model asked (`out_sharding`) or as its operands' types say."""
+    """The quantized product under Explicit mesh axes: computed with the axes Auto
+    (`auto_axes`), its result typed as the model asked (`out_sharding`) or as its operands'
+    types say. Inside, sharding propagation places the dequantization from the codes'
+    layout (tested: FSDP gathers codes, tensor parallelism moves none); the partitioned op
+    of the Auto-mesh path is not used there, since jax 0.12 leaves its sharding custom
+    call unlowered inside `auto_axes` on CPU."""
     nd = (qa.ndim, x.ndim) if w_first else (x.ndim, qa.ndim)
     ll, rl, out = dot_labels(*nd, dimension_numbers)
     wl, xl = (ll, rl) if w_first else (rl, ll)
@@ -278,7 +281,7 @@ def _explicit_quantized_dot(qa: QuantizedArray, x: Array, w_first: bool,
     rest = {k: v for k, v in params.items() if k != "out_sharding"}
 
     def product(x: Array, leaves: tuple) -> Array:
-        with _engine.mesh_scope(call_mesh([x, *leaves])):
+        with _engine.mesh_scope(None):
             return quantized_dot(qa.with_leaves(leaves), x, w_first=w_first,
                                  dimension_numbers=dimension_numbers, **rest)
 
