@@ -29,16 +29,21 @@ import optax
 import lorax
 
 from . import scale as S
+from ._batch import learning_windows
 from .accelerator import GiB, Cell
 
 DTYPE = jnp.bfloat16
 HOST_BLOCK = 1 << 26  # bytes of fresh random codes per host leaf (`_host_fill`)
+WEIGHT_STD = 0.02  # a dense weight's values (transformers' `initializer_range` for Llama)
+SCALE = 1e-3  # a quantized weight's float scales before `quant_scale` sizes them
 
 
 # -- parameters on the device ------------------------------------------------------------------
 
 
-def _fill(sds: Any, key: Any, scale: bool) -> Any:
+def _fill(sds: Any, key: Any, scale: float) -> Any:
+    """Random values of `sds`'s kind: codes as random bits; `scale` (non-zero: a quantized
+    weight's float leaves) `scale * (1 + U)`; else normal with `WEIGHT_STD`."""
     dt = jnp.dtype(sds.dtype)
     if dt == jnp.dtype(jnp.int4):  # 4-bit codes, one per element
         return jax.random.randint(key, sds.shape, -8, 8, jnp.int8).astype(dt)
@@ -46,11 +51,11 @@ def _fill(sds: Any, key: Any, scale: bool) -> Any:
         bits = jax.random.bits(key, sds.shape, jnp.dtype(f"uint{dt.itemsize * 8}"))
         return jax.lax.bitcast_convert_type(bits, dt)
     if scale:  # a quantized weight's scales: small and positive
-        return (1e-3 * (1 + jax.random.uniform(key, sds.shape))).astype(dt)
-    return (0.02 * jax.random.normal(key, sds.shape)).astype(dt)
+        return (scale * (1 + jax.random.uniform(key, sds.shape))).astype(dt)
+    return (WEIGHT_STD * jax.random.normal(key, sds.shape)).astype(dt)
 
 
-def _host_fill(sds: Any, seed: int, scale: bool) -> Any:
+def _host_fill(sds: Any, seed: int, scale: float) -> Any:
     """`_fill`'s kind of values made by NumPy, put in the device's host memory: a frozen
     stack is never whole on the device, not even while it is made."""
     rng, dt = np.random.default_rng(seed), jnp.dtype(sds.dtype)
@@ -66,9 +71,9 @@ def _host_fill(sds: Any, seed: int, scale: bool) -> Any:
         x = _repeated(np.frombuffer(rng.bytes(min(n, HOST_BLOCK)), np.uint8), n)
         x = x.view(dt).reshape(sds.shape)
     elif scale:
-        x = (1e-3 * (1 + rng.random(sds.shape, np.float32))).astype(dt)
+        x = (scale * (1 + rng.random(sds.shape, np.float32))).astype(dt)
     else:
-        x = (0.02 * rng.standard_normal(sds.shape, np.float32)).astype(dt)
+        x = (WEIGHT_STD * rng.standard_normal(sds.shape, np.float32)).astype(dt)
     host = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host")
     return jax.device_put(x, host)
 
@@ -81,30 +86,58 @@ def _repeated(block: np.ndarray, n: int) -> np.ndarray:
     return x
 
 
-def materialise(abstract: Any, seed: int = 0, frozen_on_host: bool = False) -> Any:
+def materialise(abstract: Any, seed: int = 0, frozen_on_host: bool = False,
+                quant_scale: float = SCALE) -> Any:
     """Random arrays of an abstract tree, each leaf made on the device by a jitted fill
-    (`QuantizedArray` leaves as codes and scales, so no dense weight is made for them).
-    `frozen_on_host`: each `LoraWeight`'s `w` and each bare `QuantizedArray` made in host
-    memory instead (what `lorax.offload_frozen` would have put there)."""
+    (`QuantizedArray` leaves as codes and scales, so no dense weight is made for them, its
+    float leaves `quant_scale * (1 + U)`: `quant_scale_for` gives the size at which the
+    weights it codes have `WEIGHT_STD`); norm weights (a leaf named `*norm`) are ones, as a
+    model starts training. `frozen_on_host`: each `LoraWeight`'s `w` and each bare
+    `QuantizedArray` made in host memory instead (what `lorax.offload_frozen` would have
+    put there)."""
     is_q = lambda x: isinstance(x, lorax.QuantizedArray)  # noqa: E731
     paths, treedef = jax.tree_util.tree_flatten_with_path(abstract, is_leaf=is_q)
     key = jax.random.PRNGKey(seed)
 
     def values(i: int, path: Any, node: Any) -> Any:
+        if is_norm(path):
+            return jnp.ones(node.shape, node.dtype)
         host = frozen_on_host and (is_q(node) or any(getattr(k, "name", None) == "w" for k in path))
+        scale = quant_scale if is_q(node) else 0.0
         leaves, tree = jax.tree.flatten(node)  # a QuantizedArray's codes and scales
         return jax.tree.unflatten(tree, [
-            _host_fill(s, (seed, i, j), is_q(node)) if host else _device_fill(
+            _host_fill(s, (seed, i, j), scale) if host else _device_fill(
                 jax.random.fold_in(jax.random.fold_in(key, i), j), tuple(s.shape),
-                jnp.dtype(s.dtype), is_q(node))
+                jnp.dtype(s.dtype), scale)
             for j, s in enumerate(leaves)])
 
     out = [values(i, path, node) for i, (path, node) in enumerate(paths)]
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
+def is_norm(path: Any) -> bool:
+    """A norm's weight: the last dict key on its path ends with `norm` (`attn_norm`,
+    `mlp_norm`, `final_norm`)."""
+    names = [k.key for k in path if isinstance(k, jax.tree_util.DictKey)]
+    return bool(names) and str(names[-1]).endswith("norm")
+
+
+@functools.cache
+def quant_scale_for(method: str) -> float:
+    """The float-scale size at which `method`'s random codes decode to weights of standard
+    deviation `WEIGHT_STD` (as the dense methods' weights): measured on the tiny model's
+    weights of the same format filled at `SCALE` (a format's decoding is linear in its
+    float leaves, and the codes are random bits whatever the shape)."""
+    abstract, _ = S.build(S.config("tiny"), method.removesuffix("+host"), DTYPE)
+    params = materialise(abstract)
+    is_q = lambda x: isinstance(x, lorax.QuantizedArray)  # noqa: E731
+    stds = [float(jnp.std(q.dequantize().astype(jnp.float32)))
+            for q in jax.tree.leaves(params, is_leaf=is_q) if is_q(q)]
+    return SCALE * WEIGHT_STD / float(np.mean(stds)) if stds else SCALE
+
+
 @functools.partial(jax.jit, static_argnums=(1, 2, 3))
-def _device_fill(key: Any, shape: tuple, dtype: Any, scale: bool) -> Any:
+def _device_fill(key: Any, shape: tuple, dtype: Any, scale: float) -> Any:
     # One program per leaf signature, not one for the whole tree: unrolled layers' hundreds
     # of leaves in one program took XLA:GPU over 5 minutes to compile (an H200, jax 0.11.2);
     # each layer's leaves share their signatures, so a model compiles a handful.
@@ -160,7 +193,8 @@ def setup(cfg: Any, method: str, layers: str = "scan") -> tuple[Any, Any, Callab
             return S.LLAMA.loss(cfg, dict(f, layers=merged), w)
         return {"layers": factors}, dense, hand_loss
     abstract, spec = S.build(cfg, method.removesuffix("+host"), DTYPE, layers)
-    params = materialise(abstract, frozen_on_host=method.endswith("+host"))
+    params = materialise(abstract, frozen_on_host=method.endswith("+host"),
+                         quant_scale=quant_scale_for(method) if "qlora" in method else SCALE)
     trainable, frozen = lorax.partition(params, spec)
     apply = lorax.lora(lambda p, w: S.LLAMA.loss(cfg, p, w), on_materialize="allow")
     return trainable, frozen, lambda t, f, w: apply(lorax.combine(t, f), w)
@@ -176,7 +210,7 @@ def compiled_step(cell: Cell) -> tuple[Any, tuple, dict]:
     trainable, frozen, loss = setup(cfg, cell.method, cell.layers)
     optimizer = optax.adam(1e-4)
     state = optimizer.init(trainable)
-    windows = jax.random.randint(jax.random.PRNGKey(2), (cell.batch, seq + 1), 0, cfg.vocab)
+    windows = jnp.asarray(learning_windows(cell.batch, seq, cfg.vocab))  # every stack's tokens
     jax.block_until_ready((trainable, frozen, state, windows))
     facts = dict(setup_s=time.perf_counter() - t0, resident_gib=_in_use() / GiB,
                  frozen_gib=_nbytes(frozen) / GiB, trainable_gib=_nbytes(trainable) / GiB,
@@ -247,6 +281,7 @@ def run(cell: Cell, steps: int, trace: Path | None) -> dict[str, Any]:
                tokens_per_s=cell.batch * seq / statistics.median(timed),
                peak_gib=_in_use("peak_bytes_in_use") / GiB,
                bytes_limit_gib=_in_use("bytes_limit") / GiB, losses=[round(v, 4) for v in losses],
+               first_loss=losses[0], last_loss=losses[-1],
                finite=all(v == v and abs(v) != float("inf") for v in losses))
     if trace is not None:
         row["trace"] = profile(lambda: compiled(trainable, frozen, state, windows),

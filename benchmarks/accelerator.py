@@ -29,7 +29,17 @@ random codes and small positive scales: nothing dense is made first). A cell is
   `llama-3-8b:lora:1:layer:auto@cublas` (every product through cuBLAS).
 
 `peft:MODEL:BATCH:COMPILE:CHECKPOINTING` (e.g. `peft:llama-3-8b:1:compiled:off`) is the same
-step in PyTorch + PEFT (`benchmarks/_peft.py`; needs torch, transformers and peft).
+step in PyTorch + PEFT (`benchmarks/_peft.py`; needs torch, transformers and peft), and the
+PyTorch stacks users pick for speed (`benchmarks/_torch_anchors.py`, each needing its
+package too): `liger:MODEL:BATCH:eager|compiled:on|off` (PEFT + Liger-Kernel's fused
+kernels and linear cross-entropy) and `unsloth:MODEL:BATCH:16bit|nf4:unsloth|on|off`
+(Unsloth's LoRA on a bf16 base or QLoRA on bitsandbytes NF4; its own host-offloaded
+checkpointing, transformers', or none). `--cells anchors` is those beside lorax's cells
+they are compared with, most wanted first (`ANCHOR_CELLS`).
+
+Every stack trains on the same tokens (`benchmarks._batch`: a random sequence repeated, so
+the loss falls within the timed steps) from a model whose norm weights are ones, and each
+row has its first and last loss (lorax's loss is bf16: steps of 1/16 near 12).
 
 Each cell runs in a process of its own, so the device's peak bytes in use
 (`memory_stats()["peak_bytes_in_use"]`, `torch.cuda.max_memory_allocated`) is that cell's
@@ -48,7 +58,7 @@ counted. `--trace CELLS` adds a profile of one step of those lorax cells and a s
 of where the device's time went (kernels grouped: matrix products, attention, copies,
 the rest) in `accelerator_traces.json`.
 
-    python -m benchmarks.accelerator [--quick] [--cells C1,C2,...|pending] [--steps N]
+    python -m benchmarks.accelerator [--quick] [--cells C1,C2,...|pending|anchors] [--steps N]
                                      [--deadline SECONDS] [--trace CELLS|all] [--out DIR]
 """
 
@@ -100,12 +110,9 @@ DEFAULT_CELLS = (
 # each ratio's two sides in the same run. Measured on an H200 already
 # (benchmarks/results/accelerator_recipes.md and the tables beside it): PyTorch + PEFT
 # compiled beside lorax's fastest steps at 1 and 4 windows, scanned and unrolled, the
-# `cublas` cells, host offload and the QLoRA formats against LoRA.
+# `cublas` cells, host offload, the QLoRA formats against LoRA, and bitsandbytes' NF4
+# layout (1.012x dense LoRA: benchmarks/results/accelerator_anchors.md).
 PENDING_CELLS = (
-    # bitsandbytes' NF4 layout (Hugging Face `*-bnb-4bit` checkpoints, read as stored) beside
-    # lorax's own: compiled for an H200 here they are the same program's size and products
-    # (benchmarks/results/gpu_compile_hf_formats_h200.md); the issue's target is <= 1.03x
-    "llama-3-8b:qlora-bnb_nf4:1:dots:auto",
     # QLoRA unrolled took 1.155x dense LoRA unrolled (another command on the same card),
     # where scanned it took 1.027x: both layer loops beside dense LoRA's, in one run
     "llama-3-8b:qlora-nf4:1:dots:auto:unrolled", "llama-3-8b:qlora-nf4:1:dots:auto",
@@ -114,6 +121,18 @@ PENDING_CELLS = (
     "llama-3-8b:lora:1:none:auto:unrolled", "llama-3-8b:lora:1:none:auto",
     "llama-3-8b:qlora-nf4+host:1:offload:auto", "llama-3-8b:qlora-nf4+host:1:layer:auto",
     "llama-3-8b:qlora-nf4:1:layer:auto",
+)
+# The PyTorch stacks users pick for speed beside lorax's LoRA and QLoRA steps at 1 x 2048
+# (issue 52), most wanted first (`--cells anchors`): lorax, then PEFT + Liger-Kernel, Unsloth
+# (its checkpointing on and off, and QLoRA), then Liger compiled and the PEFT +
+# `torch.compile` anchor already measured (0.188 s), whose first steps compile for minutes.
+ANCHOR_CELLS = (
+    "llama-3-8b:lora:1:dots:auto", "llama-3-8b:qlora-nf4:1:dots:auto",
+    "llama-3-8b:qlora-bnb_nf4:1:dots:auto",
+    "liger:llama-3-8b:1:eager:off",
+    "unsloth:llama-3-8b:1:16bit:unsloth", "unsloth:llama-3-8b:1:16bit:off",
+    "unsloth:llama-3-8b:1:nf4:unsloth",
+    "liger:llama-3-8b:1:compiled:off", "peft:llama-3-8b:1:compiled:off",
 )
 # Each method family, remat choice and attention path at least once (CI's smoke run).
 QUICK_CELLS = ("tiny:lora:1:layer:auto", "tiny:qlora-nf4:1:none:auto", "tiny:hand:1:dots:auto",
@@ -132,6 +151,42 @@ CELL_XLA_FLAGS = {
     # a copy (`benchmarks.gpu_compile`, cell flags `cublas`; docs/gpu.md).
     "cublas": "--xla_gpu_enable_triton_gemm=false",
 }
+
+
+# The PyTorch cells, `STACK:MODEL:BATCH:A:B`: A's and B's values, and the modules the stack
+# imports (a cell whose modules are not installed is listed as not run).
+TORCH_STACKS = {
+    "peft": (("eager", "compiled"), ("on", "off"), ("torch", "transformers", "peft")),
+    "liger": (("eager", "compiled"), ("on", "off"),
+              ("torch", "transformers", "peft", "liger_kernel")),
+    "unsloth": (("16bit", "nf4"), ("unsloth", "on", "off"),
+                ("torch", "transformers", "peft", "unsloth", "unsloth_zoo", "trl")),
+}
+MODEL_NAMES = ("tiny", "llama-3.2-1b", "llama-3-8b", "llama-3-70b")  # `benchmarks.scale.MODELS`
+
+
+def is_torch(text: str) -> bool:
+    """A PyTorch cell (or row's method: `peft-eager`, `liger-compiled-nockpt`, ...)."""
+    return text.split(":")[0].split("-")[0] in TORCH_STACKS
+
+
+def torch_cell(text: str) -> tuple[str, str, int, str, str]:
+    """`STACK:MODEL:BATCH:A:B` as (stack, model, batch, a, b), or a ValueError saying what
+    such a cell takes."""
+    if "@" in text:
+        raise ValueError(f"cell {text!r}: XLA flags (`@NAME`) are for lorax's cells")
+    parts = text.split(":")
+    stack = parts[0]
+    if stack not in TORCH_STACKS or len(parts) != 5:
+        raise ValueError(f"cell {text!r}: a PyTorch cell is STACK:MODEL:BATCH:A:B with STACK "
+                         f"one of {tuple(TORCH_STACKS)}")
+    a_values, b_values, _ = TORCH_STACKS[stack]
+    _, model, batch, a, b = parts
+    if model not in MODEL_NAMES or not batch.isdigit() or int(batch) < 1 or (
+            a not in a_values or b not in b_values):
+        raise ValueError(f"cell {text!r}: expected {stack}:MODEL:BATCH:{'|'.join(a_values)}:"
+                         f"{'|'.join(b_values)} with MODEL one of {MODEL_NAMES} and BATCH >= 1")
+    return stack, model, int(batch), a, b
 
 
 class Cell(NamedTuple):
@@ -218,20 +273,24 @@ def _text(b: Any) -> str:
     return b.decode(errors="replace") if isinstance(b, bytes) else (b or "")
 
 
-def torch_missing() -> str:
-    """Which of the PyTorch side's packages do not import here ('' if none)."""
+def torch_missing(text: str = "peft:") -> str:
+    """Which of a PyTorch cell's modules do not import here ('' if none; by default
+    PyTorch + PEFT's)."""
     import importlib.util
-    return ", ".join(m for m in ("torch", "transformers", "peft") if importlib.util.find_spec(m) is None)
+    stack = text.split(":")[0]
+    needs = TORCH_STACKS[stack][2] + (("bitsandbytes",) if ":nf4:" in text else ())
+    return ", ".join(m for m in needs if importlib.util.find_spec(m) is None)
 
 
 def cell_args(text: str, steps: int, trace_dir: Path | None) -> list[str]:
-    if text.startswith("peft:"):
-        if "@" in text:
-            raise ValueError(f"cell {text!r}: XLA flags (`@NAME`) are for lorax's cells")
-        _, model, batch, mode, ckpt = text.split(":")
-        return ["benchmarks._peft", model, "--batch", batch, "--steps", str(steps)] + (
-            ["--compile"] if mode == "compiled" else []) + (
-            ["--no-checkpointing"] if ckpt == "off" else [])
+    if is_torch(text):
+        stack, model, batch, a, b = torch_cell(text)
+        head = ["benchmarks._peft"] if stack == "peft" else ["benchmarks._torch_anchors", stack]
+        args = [*head, model, "--batch", str(batch), "--steps", str(steps)]
+        if stack == "unsloth":
+            return args + ["--quant", a, "--checkpointing", b]
+        return args + (["--compile"] if a == "compiled" else []) + (
+            ["--no-checkpointing"] if b == "off" else [])
     Cell.parse(text)  # a bad cell fails here, before any process starts
     return ["benchmarks._device_step", text, "--steps", str(steps)] + (
         ["--trace", str(trace_dir)] if trace_dir else [])
@@ -300,11 +359,20 @@ def fused_attention_works(steps: int) -> bool:
 
 
 def timeout_for(text: str) -> float:
-    if text.startswith("peft:") and ":compiled:" in text:
+    if is_torch(text) and ":compiled:" in text:
         return 420  # torch.compile's first step: ~2 minutes at 8B
+    if text.startswith("unsloth:"):
+        return 300  # the first one saves the random model Unsloth loads (16 GB at 8B)
     # An unrolled loop compiles every layer: ~30 s for 8B on a CPU, against ~4 under scan.
-    unrolled = not text.startswith("peft:") and Cell.parse(text).layers == "unrolled"
+    unrolled = not is_torch(text) and Cell.parse(text).layers == "unrolled"
     return 420 if "70b" in text or unrolled else 240
+
+
+def least_for(text: str) -> float:
+    """Seconds a cell needs left before the deadline to start: 45, or for a compiled
+    PyTorch cell, whose first step compiles for minutes, 200 (less would be spent on a
+    cell stopped before its first step ends)."""
+    return 200 if is_torch(text) and ":compiled:" in text else 45
 
 
 def with_rates(row: dict[str, Any], ceiling: dict[str, Any]) -> dict[str, Any]:
@@ -322,8 +390,15 @@ def with_rates(row: dict[str, Any], ceiling: dict[str, Any]) -> dict[str, Any]:
     return row
 
 
+def quantized(method: str) -> bool:
+    """A method whose frozen weights are quantized (lorax's `qlora-*`, Unsloth's `nf4`)."""
+    return method.startswith("qlora") or "-nf4" in method
+
+
 def with_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """`vs_peft`: tokens/s over the fastest PyTorch + PEFT cell of the same model and batch;
+    `vs_torch`: over the fastest PyTorch cell of any stack (PEFT, Liger, Unsloth) of the
+    same model, batch and kind of base (quantized or not), where one beside PEFT ran;
     `vs_lora` (QLoRA, hand-written): step time over dense lorax LoRA's, same remat,
     attention and layers; `vs_hand` (lorax LoRA): over hand-written LoRA's; `vs_device` (a
     `+host` method): over the same method's with every weight on the device."""
@@ -332,8 +407,13 @@ def with_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         key = (r["model"], r["batch"])
         peft = [p["tokens_per_s"] for p in ok if p["method"].startswith("peft") and
                 (p["model"], p["batch"]) == key]
-        if peft and not r["method"].startswith("peft"):
+        if peft and not is_torch(r["method"]):
             r["vs_peft"] = r["tokens_per_s"] / max(peft)
+        anchors = [p for p in ok if is_torch(p["method"]) and (
+            p["model"], p["batch"], quantized(p["method"])) == (*key, quantized(r["method"]))]
+        # (Only where a stack beside PEFT ran: with PEFT's rows alone it is `vs_peft`.)
+        if any(not p["method"].startswith("peft") for p in anchors) and not is_torch(r["method"]):
+            r["vs_torch"] = r["tokens_per_s"] / max(p["tokens_per_s"] for p in anchors)
         how = lambda p: (p["remat"], p["attention"], p.get("layers") or "scan",  # noqa: E731
                          p.get("xla") or "")
         same = lambda m: next((p["step_s"] for p in ok if p["method"] == m and (  # noqa: E731
@@ -352,17 +432,25 @@ def with_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def markdown(rows: list[dict[str, Any]]) -> list[str]:
     f = lambda r, k, fmt: format(r[k], fmt) if isinstance(r.get(k), (int, float)) else ""  # noqa: E731
     flags = run_flags(rows)
-    table = C.md_table(
-        ["model", "batch", "method", "remat", "attention", "s/step", "tokens/s", "MFU",
-         "vs fastest PEFT", "vs dense / hand", "peak GiB", "XLA GiB", "compile s"],
-        [[r["model"], f"{r['batch']}x{r.get('seq', '')}", _method(r, flags), r.get("remat", ""),
-          _attention(r), f(r, "step_s", ".3f"), f(r, "tokens_per_s", ",.0f"),
-          f(r, "mfu_datasheet", ".1%") or f(r, "mfu", ".1%"), f(r, "vs_peft", ".2f"),
-          f(r, "vs_lora", ".3f") or f(r, "vs_hand", ".3f") or f(r, "vs_device", ".3f"),
-          f(r, "peak_gib", ".2f"),
-          f(r, "xla_peak_gib", ".2f"), f(r, "compile_s", ".0f")]
-         if not r.get("error") else [r.get("cell", "?"), "", "", "", "",
-                                     "error: " + str(r["error"])[:200], *[""] * 7] for r in rows])
+    # Columns a table shows only where a row has them (a run from before them renders as it did).
+    anchors = any(is_torch(str(r.get("method", ""))) and not str(r["method"]).startswith("peft")
+                  for r in rows)
+    losses = any(isinstance(r.get("first_loss"), (int, float)) for r in rows)
+    extra = (["vs fastest PyTorch"] if anchors else []) + (
+        ["first loss", "last loss"] if losses else [])
+    header = ["model", "batch", "method", "remat", "attention", "s/step", "tokens/s", "MFU",
+              "vs fastest PEFT", "vs dense / hand", "peak GiB", "XLA GiB", "compile s", *extra]
+    table = C.md_table(header, [
+        [r["model"], f"{r['batch']}x{r.get('seq', '')}", _method(r, flags), r.get("remat", ""),
+         _attention(r), f(r, "step_s", ".3f"), f(r, "tokens_per_s", ",.0f"),
+         f(r, "mfu_datasheet", ".1%") or f(r, "mfu", ".1%"), f(r, "vs_peft", ".2f"),
+         f(r, "vs_lora", ".3f") or f(r, "vs_hand", ".3f") or f(r, "vs_device", ".3f"),
+         f(r, "peak_gib", ".2f"), f(r, "xla_peak_gib", ".2f"), f(r, "compile_s", ".0f"),
+         *([f(r, "vs_torch", ".2f")] if anchors else []),
+         *([f(r, "first_loss", ".3f"), f(r, "last_loss", ".3f")] if losses else [])]
+        if not r.get("error") else [r.get("cell", "?"), "", "", "", "",
+                                    "error: " + str(r["error"])[:200], *[""] * (len(header) - 6)]
+        for r in rows])
     rates = [r["model_tflops"] / r["mfu"] for r in rows if isinstance(r.get("mfu"), (int, float))]
     sheet = any(isinstance(r.get("mfu_datasheet"), (int, float)) for r in rows)
     return [table, "", "MFU: model FLOPs per token (`benchmarks/accelerator.py`) x tokens/s over "
@@ -374,15 +462,21 @@ def markdown(rows: list[dict[str, Any]]) -> list[str]:
             "over hand-written LoRA's (lorax LoRA), or over the same method's with every weight "
             "on the device (`+host`: frozen weights in host memory), same batch, remat, "
             "attention, layers (*unrolled*: per-layer weights, no `lax.scan`) and cell "
-            "flags (`@NAME`)."]
+            "flags (`@NAME`)."
+            + (" *vs fastest PyTorch*: tokens/s over the fastest PyTorch row (PEFT, PEFT + "
+               "Liger-Kernel, Unsloth) of the same model and batch on the same kind of base "
+               "(bf16, or quantized: lorax's QLoRA against Unsloth's NF4)." if anchors else "")
+            + (" *first / last loss*: the first and the last step's, every stack on the same "
+               "tokens (`benchmarks._batch`); lorax's is bf16 (steps of 0.0625 near 12), "
+               "PyTorch's float32." if losses else "")]
 
 
 def _method(r: dict[str, Any], flags: str = "") -> str:
     """The method's label; `flags`: the run's XLA flags, named where a row's differ."""
     cap = f" (card held to {r['mem_cap_gib']:g} GiB)" if r.get("mem_cap_gib") else ""
     own = str(r.get("xla_flags") or "")
-    note = "" if set(own.split()) == set(flags.split()) or str(r["method"]).startswith(
-        "peft") else f", XLA flags: {_flag_words(own)}"
+    note = "" if set(own.split()) == set(flags.split()) or is_torch(str(r["method"])) else (
+        f", XLA flags: {_flag_words(own)}")
     return (f"{r['method']}, unrolled" if r.get("layers") == "unrolled" else str(r["method"])) + (
         cap + note)
 
@@ -400,7 +494,7 @@ def run_flags(rows: list[dict[str, Any]]) -> str:
     """The XLA flags every one of `rows` ran with; '' where they differ (a `+host` cell
     adds its own), so each row names its own."""
     flags = {" ".join(sorted(str(r.get("xla_flags") or "").split())) for r in rows
-             if not r.get("error") and not str(r.get("method", "")).startswith("peft")}
+             if not r.get("error") and not is_torch(str(r.get("method", "")))}
     return flags.pop() if len(flags) == 1 else ""
 
 
@@ -415,7 +509,8 @@ def write_tables(out: Path, run: str = "", name: str = "accelerator") -> None:
     table assembled from several commands' outputs, `results/gpu_raw/*/assemble.py`)."""
     rows = C.read_csv(out / f"{name}.csv")
     facts = {k: next((r[k] for r in rows if r.get(k) not in (None, "")), "")
-             for k in ("device", "platform", "jax", "torch", "peft", "transformers")}
+             for k in ("device", "platform", "jax", "torch", "peft", "transformers",
+                       "liger_kernel", "unsloth", "unsloth_zoo", "bitsandbytes", "triton")}
     facts["xla_flags"] = run_flags(rows)
     facts["run"] = run or "cells in processes of their own"
     lines = "\n".join(f"- **{k}**: {v}" for k, v in facts.items() if v)
@@ -425,7 +520,8 @@ def write_tables(out: Path, run: str = "", name: str = "accelerator") -> None:
     C.replot(out, name, plot)
 
 
-COLORS = {"lora": "C0", "hand": "0.55", "full": "C3", "peft": "C1", "qlora": "C2"}
+COLORS = {"lora": "C0", "hand": "0.55", "full": "C3", "peft": "C1", "qlora": "C2",
+          "liger": "C4", "unsloth": "C5"}
 
 
 def plot(rows: list[dict[str, Any]], path: Path) -> None:
@@ -440,7 +536,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     ax, flags = axes[0][0], run_flags(rows)
     label = lambda r: textwrap.fill(f"{_method(r, flags)} {r['batch']}x{r['seq']}" + (  # noqa: E731
         f", remat {r['remat']}, {r.get('attention_used') or r['attention']}"
-        if not str(r["method"]).startswith("peft") else ""), 60)
+        if not is_torch(str(r["method"])) else ""), 60)
     family = lambda r: next(k for k in COLORS if str(r["method"]).startswith(k))  # noqa: E731
     ax.barh(range(len(rows)), [r["tokens_per_s"] for r in rows],
             color=[COLORS[family(r)] for r in rows])
@@ -479,11 +575,13 @@ def run_cells(cells: list[str], args: Any, out: Path, clock: C.Clock) -> list[di
     rows: list[dict[str, Any]] = []
     for text in cells:
         left = (args.deadline or float("inf")) - clock.elapsed
-        if left < 45 or (text.startswith("peft:") and torch_missing()):
-            why = "past the deadline" if left < 45 else f"{torch_missing()} not installed"
+        if left < least_for(text) or (is_torch(text) and torch_missing(text)):
+            why = "past the deadline" if left < least_for(text) else (
+                f"{torch_missing(text)} not installed")
             rows.append({"cell": text, "error": f"not run: {why}"})
+            write(out, rows, clock)
             continue
-        trace = trace_dir if text in traced and not text.startswith("peft:") else None
+        trace = trace_dir if text in traced and not is_torch(text) else None
         env = cap_env(text, caps, ceiling, args.host_xla_flags)
         env.update(cell_xla_env(text, env))
         row = run_in_process(cell_args(text, steps, trace), min(timeout_for(text), left), env)
@@ -499,7 +597,7 @@ def run_cells(cells: list[str], args: Any, out: Path, clock: C.Clock) -> list[di
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     p = C.parser(__doc__, rounds=False, plot=True)
     p.add_argument("--cells", default=None,
-                   help="comma-separated cells, or `pending` (default: the table)")
+                   help="comma-separated cells, or `pending` or `anchors` (default: the table)")
     p.add_argument("--steps", type=int, default=None, help="steps per cell (2 of them warm-up)")
     p.add_argument("--deadline", type=float, default=None,
                    help="seconds: start no cell that could run past this")
@@ -518,7 +616,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     if args.plot_only:
         write_tables(out)
         return C.read_csv(out / "accelerator.csv")
-    cells = (list(PENDING_CELLS) if args.cells == "pending" else args.cells.split(",")
+    named = {"pending": PENDING_CELLS, "anchors": ANCHOR_CELLS}
+    cells = (list(named[args.cells]) if args.cells in named else args.cells.split(",")
              if args.cells else list(QUICK_CELLS if args.quick else DEFAULT_CELLS))
     for text in cells:
         cell_args(text, 1, None)  # a bad cell fails here, before anything runs

@@ -277,15 +277,18 @@ def product_tflop(hlo_text: str) -> float:
 
 
 def lowered_step(model: str, method: str, remat: str = "layer", layers: str = "scan",
-                 attention: str = "cudnn", batch: int = 1) -> str:
+                 attention: str = "cudnn", batch: int = 1, seq: int | None = None,
+                 **config: Any) -> str:
     """`benchmarks.offload.abstract_step` for `model` and `method` (`+host`: the frozen
     half in host memory; `+state`: Adam's state too, `lorax.offload_state`), `batch`
-    windows a step, lowered for `cuda`, the trainable parameters and optimizer state
-    donated (as `benchmarks.accelerator` donates them)."""
+    windows of `seq` tokens a step (`config`: other `llama.Config` fields), lowered for
+    `cuda`, the trainable parameters and optimizer state donated (as
+    `benchmarks.accelerator` donates them)."""
     from . import offload as O
     base, *where = method.split("+")
     step, args = O.abstract_step(model, base, "host" in where, remat, layers, attention,
-                                 state_on_host="state" in where, batch=batch)
+                                 state_on_host="state" in where, batch=batch, seq=seq,
+                                 **config)
     jitted = jax.jit(step, in_shardings=jax.tree.map(O._sharding, args), donate_argnums=(0, 2))
     return jitted.trace(*jax.tree.map(O._typed, args)).lower(
         lowering_platforms=("cuda",)).as_text()

@@ -147,13 +147,16 @@ def _arguments(main: Any) -> list[Argument]:
 
 def abstract_step(model: str, method: str = "qlora-nf4", offload: bool = True,
                   remat: str = "layer", layers: str = "scan", attention: str = "xla",
-                  state_on_host: bool = False, batch: int = 1) -> tuple[Callable, tuple]:
+                  state_on_host: bool = False, batch: int = 1, seq: int | None = None,
+                  **config: Any) -> tuple[Callable, tuple]:
     """`benchmarks.scale`'s Adam step for `model` and its abstract arguments (nothing
     allocated), its frozen half in host memory if `offload`, Adam's state too if
-    `state_on_host` (`lorax.offload_state`), `batch` windows a step. (cuDNN's attention
-    needs cuDNN, so JAX's CUDA plugin, to lower: `xla` by default.)"""
+    `state_on_host` (`lorax.offload_state`), `batch` windows of `seq` tokens a step (the
+    model's own length by default). `config`: other `llama.Config` fields (`n_layers`,
+    `mlp_chunk`, ...). (cuDNN's attention needs cuDNN, so JAX's CUDA plugin, to lower:
+    `xla` by default.)"""
     from . import scale as S
-    cfg = S.config(model, attention, remat)
+    cfg = S.config(model, attention, remat)._replace(**config)
     abstract, spec = S.build(cfg, method, jnp.bfloat16, layers)
     trainable, frozen = lorax.partition(abstract, spec)
     if offload:
@@ -163,7 +166,7 @@ def abstract_step(model: str, method: str = "qlora-nf4", offload: bool = True,
     if state_on_host:  # (`eval_shape` keeps no memory kind: the state's placed here)
         optimizer = lorax.offload_state(optimizer)
         state = jax.tree.map(lambda x: _placement._to_host(x, "pinned_host"), state)
-    windows = jax.ShapeDtypeStruct((batch, S.MODELS[model][-1] + 1), jnp.int32)
+    windows = jax.ShapeDtypeStruct((batch, (seq or S.MODELS[model][-1]) + 1), jnp.int32)
     apply = lorax.lora(lambda p, w: S.LLAMA.loss(cfg, p, w), on_materialize="allow")
 
     def step(trainable: Any, frozen: Any, opt_state: Any, windows: Any) -> tuple:

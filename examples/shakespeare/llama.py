@@ -19,7 +19,7 @@ input is kept), and the loss goes over the vocabulary in chunks, so the full
 Two fields of `Config` choose how the step runs on a given device, never its values:
 `attention` (cuDNN's fused attention on a GPU, query chunks elsewhere) and `remat` (what
 the backward pass keeps: with memory to spare, `"none"` or `"dots"` is faster on a GPU).
-`gemma3.py` uses the same two.
+`gemma3.py` uses the same two. A third, `mlp_chunk`, is for long sequences (`mlp`).
 """
 
 from __future__ import annotations
@@ -51,6 +51,9 @@ class Config(NamedTuple):
     head_dim: int | None = None
     rope_scaling: tuple[float, float, float, int] | None = None
     window: int | None = None
+    # How the step runs (see `mlp`): the MLP's `(tokens, hidden)` intermediates made this
+    # many tokens at a time, for long sequences (None: all at once).
+    mlp_chunk: int | None = None
 
     @property
     def hd(self) -> int:
@@ -182,7 +185,26 @@ def block(cfg: Config, x, layer):
     v = _heads(cfg, h, layer, "v", cfg.n_kv_heads)
     x = x + attention(q, k, v, window=cfg.window, implementation=cfg.attention) @ layer["o"]
     h = rms_norm(x, layer["mlp_norm"], cfg.norm_eps)
-    return x + (jax.nn.silu(h @ layer["gate"]) * (h @ layer["up"])) @ layer["down"]
+    return x + mlp(h, layer, cfg.mlp_chunk)
+
+
+def mlp(h, layer, chunk: int | None = None):
+    """SwiGLU, `(B, T, dim)` in and out. `chunk`: `chunk` tokens at a time (a `lax.map`
+    over the tokens, each chunk recomputed in the backward pass; a last, shorter chunk
+    where `chunk` does not divide T), so the `(B, T, hidden)` gate and up outputs and
+    their gradients, 3.5 times the width of everything else a layer makes, are never
+    whole: what a long sequence needs. The same values either way."""
+    def one(h):
+        return (jax.nn.silu(h @ layer["gate"]) * (h @ layer["up"])) @ layer["down"]
+
+    b, t, d = h.shape
+    if not chunk or t <= chunk:
+        return one(h)
+    n = t // chunk
+    chunks = jnp.moveaxis(h[:, : n * chunk].reshape(b, n, chunk, d), 1, 0)
+    out = lax.map(jax.checkpoint(one, prevent_cse=False), chunks)  # (a scan body)
+    out = jnp.moveaxis(out, 0, 1).reshape(b, n * chunk, -1)
+    return out if n * chunk == t else jnp.concatenate([out, one(h[:, n * chunk:])], axis=1)
 
 
 REMAT = ("layer", "dots", "none", "offload")

@@ -1,0 +1,254 @@
+"""The PyTorch stacks users pick for speed, beside lorax in `benchmarks.accelerator`: one cell
+each, in a process of its own (both libraries patch transformers' Llama classes).
+
+    python -m benchmarks._torch_anchors liger MODEL [--batch B] [--steps N] [--compile]
+                                        [--no-checkpointing]
+    python -m benchmarks._torch_anchors unsloth MODEL [--batch B] [--steps N] [--quant 16bit|nf4]
+                                        [--checkpointing unsloth|on|off] [--model-dir DIR]
+    python -m benchmarks._torch_anchors save MODEL [--model-dir DIR]   # the folder Unsloth loads
+
+- `liger`: PEFT + Liger-Kernel. `apply_liger_kernel_to_llama` (RoPE, RMSNorm, SwiGLU and the
+  fused linear cross-entropy, which never forms the logits) before the model is built, then
+  `benchmarks._peft`'s model (transformers' Llama at the benchmark's shapes, bf16, PEFT's
+  LoRA r16 on the seven projections); the loss through `labels=`. `--compile`:
+  `torch.compile` of the whole model. Checkpointing (transformers') on unless
+  `--no-checkpointing`.
+- `unsloth`: Unsloth's `FastLanguageModel` on a random-weight Llama at the same shapes,
+  saved once in `--model-dir` (default: `/dev/shm` where it has room, else the temporary
+  folder; reused by the next cell) with an offline word-level tokenizer made in code;
+  `--quant nf4` loads it with `load_in_4bit=True` (bitsandbytes NF4, QLoRA), `16bit` with
+  `load_in_16bit=True`; LoRA r16 on the same seven projections; `--checkpointing unsloth`
+  (its default: checkpoints offloaded to host memory), `on` (transformers') or `off`.
+
+The batch, the timing and the row are `benchmarks._peft`'s: the same tokens as every stack
+(`benchmarks._batch`), AdamW at 1e-4 on the adapters, two warm-up steps, the device's peak
+`torch.cuda.max_memory_allocated` after the setup. The library shifts `labels` itself, so
+a 2,048-token window gives 2,047 targets (lorax's and PEFT's cells: 2,048). `compile_s` is
+the first step's time over the median (Triton's kernels compiled there). Prints one line,
+`RESULT {json}`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    __package__ = "benchmarks"
+
+# Nothing from torch, transformers or peft at import: Unsloth must be imported before them.
+QUANTS = ("16bit", "nf4")
+CHECKPOINTING = {"unsloth": "unsloth", "on": True, "off": False}
+OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+           "UNSLOTH_DISABLE_STATISTICS": "1", "HF_HUB_DISABLE_TELEMETRY": "1"}
+SPECIAL = ["<pad>", "<s>", "</s>", "<unk>"]  # ids 0-3 (`benchmarks._batch.LOW`: never drawn)
+
+
+def versions(*names: str) -> dict[str, str]:
+    """Installed versions of `names` (distribution names), `missing` where absent."""
+    out = {}
+    for name in names:
+        try:
+            out[name.replace("-", "_")] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            out[name.replace("-", "_")] = "missing"
+    return out
+
+
+def device_of() -> str:
+    import torch
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+# -- PEFT + Liger-Kernel ------------------------------------------------------------------------
+
+
+def liger(model: str, batch: int, steps: int, compile_: bool, checkpointing: bool) -> dict:
+    """One PEFT + Liger-Kernel cell (the module docstring)."""
+    from liger_kernel.transformers import apply_liger_kernel_to_llama
+    apply_liger_kernel_to_llama(rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
+                                fused_linear_cross_entropy=True)  # before the model is built
+    import torch
+
+    from . import _peft as P
+    device, t0 = device_of(), time.perf_counter()
+    net, vocab, seq = P.build(model, device, checkpointing)
+    params = [p for p in net.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-4)
+    x = P.windows(batch, seq, vocab, device)[:, :-1].contiguous()
+    forward = torch.compile(net) if compile_ else net
+    net.train()  # the fused linear cross-entropy (no logits formed) is its training path
+
+    def step() -> Any:
+        loss = forward(input_ids=x, labels=x).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    setup_s = P.start(device) - t0
+    times, losses = P.train(step, steps, device)
+    mode, ckpt = ("compiled" if compile_ else "eager"), ("on" if checkpointing else "off")
+    return P.result(f"liger:{model}:{batch}:{mode}:{ckpt}", model,
+                    f"liger-{mode}" + ("" if checkpointing else "-nockpt"), batch, seq, ckpt,
+                    times, losses, setup_s, True, params,
+                    getattr(net.config, "_attn_implementation", None), device,
+                    **versions("liger-kernel", "triton"))
+
+
+# -- Unsloth ------------------------------------------------------------------------------------
+
+
+def default_model_dir(need_bytes: int = 0) -> Path:
+    """`/dev/shm` where it has room for `need_bytes` (and a margin), else the temporary folder."""
+    shm = Path("/dev/shm")
+    if shm.is_dir() and os.access(shm, os.W_OK) and shutil.disk_usage(shm).free > 1.2 * need_bytes:
+        return shm / "lorax-anchors"
+    return Path(tempfile.gettempdir()) / "lorax-anchors"
+
+
+def model_bytes(model: str) -> int:
+    """bf16 bytes of `model`'s weights (the tied embedding once, the norms aside)."""
+    from . import _peft as P  # (after `import unsloth` in an Unsloth cell)
+    n, d, f, h, kv, _ = P.MODELS[model]
+    vocab = P.llama_config(model)[1]
+    return 2 * (n * (2 * d * d + 2 * d * kv * (d // h) + 3 * d * f) + vocab * d)
+
+
+# `benchmarks._peft.MODELS`' names, known without importing torch.
+MODEL_NAMES = ("tiny", "llama-3.2-1b", "llama-3-8b", "llama-3-70b")
+
+
+def tokenizer(vocab: int, seq: int) -> Any:
+    """A word-level tokenizer of `vocab` ids made in code (nothing downloaded): the special
+    tokens, then `t4`, `t5`, ... one per id."""
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    words = {w: i for i, w in enumerate(SPECIAL)}
+    words.update({f"t{i}": i for i in range(len(SPECIAL), vocab)})
+    tok = Tokenizer(models.WordLevel(words, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+        pad_token="<pad>", model_max_length=seq)
+
+
+def saved_model(model: str, model_dir: Path, device: str) -> tuple[Path, float]:
+    """A folder holding a random-weight Llama at `model`'s shapes (bf16 safetensors, made on
+    `device`, norm weights ones) and its tokenizer, made once (a `DONE` file marks it whole):
+    (the folder, seconds spent making it now)."""
+    path = Path(model_dir) / f"{model}-random-bf16"
+    if (path / "DONE").exists():
+        return path, 0.0
+    import torch
+
+    from . import _peft as P
+    t0 = time.perf_counter()
+    shutil.rmtree(path, ignore_errors=True)
+    cfg, vocab, seq = P.llama_config(model, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    base = P.base_model(cfg, device)
+    base.save_pretrained(path, safe_serialization=True)
+    tokenizer(vocab, seq).save_pretrained(path)
+    del base
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    (path / "DONE").write_text(model + "\n")
+    return path, time.perf_counter() - t0
+
+
+def unsloth(model: str, batch: int, steps: int, quant: str, checkpointing: str,
+            model_dir: Path | None) -> dict:
+    """One Unsloth cell (the module docstring)."""
+    t0 = time.perf_counter()
+    import unsloth as U  # first: before transformers, peft and trl
+    from unsloth import FastLanguageModel
+    import_s = time.perf_counter() - t0
+    import torch
+
+    from . import _peft as P
+    device, t0 = device_of(), time.perf_counter()
+    folder, save_s = saved_model(model, model_dir or default_model_dir(model_bytes(model)), device)
+    _, vocab, seq = P.llama_config(model)
+    gc = CHECKPOINTING[checkpointing]
+    net, _ = FastLanguageModel.from_pretrained(
+        str(folder), max_seq_length=seq, dtype=torch.bfloat16, load_in_4bit=quant == "nf4",
+        load_in_16bit=quant == "16bit", local_files_only=True, use_exact_model_name=True,
+        fix_tokenizer=False, use_gradient_checkpointing=gc)
+    net = FastLanguageModel.get_peft_model(
+        net, r=16, lora_alpha=16, lora_dropout=0, bias="none", target_modules=P.TARGETS,
+        use_gradient_checkpointing=gc, random_state=0, max_seq_length=seq)
+    FastLanguageModel.for_training(net)
+    params = [p for p in net.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-4)
+    x = P.windows(batch, seq, vocab, device)[:, :-1].contiguous()
+
+    def step() -> Any:
+        loss = net(input_ids=x, labels=x).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    setup_s = P.start(device) - t0
+    times, losses = P.train(step, steps, device)
+    suffix = {"unsloth": "", "on": "-hfckpt", "off": "-nockpt"}[checkpointing]
+    return P.result(f"unsloth:{model}:{batch}:{quant}:{checkpointing}", model,
+                    f"unsloth-{quant}{suffix}", batch, seq, checkpointing, times, losses,
+                    setup_s, True, params, getattr(net.config, "_attn_implementation", None),
+                    device, import_s=import_s, save_s=save_s, unsloth=U.__version__,
+                    **versions("unsloth-zoo", "bitsandbytes", "triton", "trl"))
+
+
+# -- the command --------------------------------------------------------------------------------
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="stack", required=True)
+    for name in ("liger", "unsloth", "save"):
+        s = sub.add_parser(name)
+        s.add_argument("model", choices=MODEL_NAMES)
+        if name == "save":
+            s.add_argument("--model-dir", type=Path, default=None)
+            continue
+        s.add_argument("--batch", type=int, default=1)
+        s.add_argument("--steps", type=int, default=8)
+        if name == "liger":
+            s.add_argument("--compile", action="store_true")
+            s.add_argument("--no-checkpointing", action="store_true")
+        else:
+            s.add_argument("--quant", choices=QUANTS, default="16bit")
+            s.add_argument("--checkpointing", choices=list(CHECKPOINTING), default="unsloth")
+            s.add_argument("--model-dir", type=Path, default=None)
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    a = parser().parse_args(argv)
+    for k, v in OFFLINE.items():
+        os.environ.setdefault(k, v)
+    # Unsloth compiles its patched modules into a folder (default: the working directory's).
+    os.environ.setdefault("UNSLOTH_COMPILE_LOCATION",
+                          str(Path(tempfile.gettempdir()) / "unsloth_compiled_cache"))
+    if a.stack == "save":
+        folder, seconds = saved_model(a.model, a.model_dir or default_model_dir(
+            model_bytes(a.model)), device_of())
+        print(f"SAVED {folder} ({seconds:.1f} s)", flush=True)
+        return
+    row = (liger(a.model, a.batch, a.steps, a.compile, not a.no_checkpointing)
+           if a.stack == "liger" else
+           unsloth(a.model, a.batch, a.steps, a.quant, a.checkpointing, a.model_dir))
+    print("RESULT " + json.dumps(row), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,496 @@
+"""The longest context one card trains: Llama-3-8B QLoRA, batch 1, compile-only search and
+the card's confirming step.
+
+The job is `benchmarks.gpu_compile`'s step (Llama-3-8B, QLoRA nf4 with double
+quantization, rank 16 on the seven projections, bf16, Adam, one window) at long lengths,
+with the recipe for them (`RECIPE`, all `llama.Config` fields):
+
+- cuDNN's fused attention: memory linear in the sequence (the time is not: L^2);
+- the chunked loss (`llama.tied_loss`): the `(L, vocab)` logits never whole;
+- remat `offload`: each layer's kept input (L x 4096 bf16, 8 KiB a token) moved to host
+  memory in the forward loop and back in the backward loop;
+- `mlp_chunk`: the MLP's `(L, 14336)` gate and up outputs made 8192 tokens at a time
+  (without it they are 70% of the step's temporaries).
+
+**The search** (`python -m benchmarks.context`) compiles the step for a card with no card
+here (`benchmarks.gpu_compile`: XLA's GPU compiler, deviceless; jax[cuda13]) and reads
+XLA's `memory_analysis()`: device bytes = arguments + temporaries + outputs - aliased
+(donated) outputs; the host bytes (the offloaded inputs: host temporaries, plus any
+host arguments) apart. A length fits a budget when its device bytes are at most the
+budget less `--margin` (5%). First the per-layer check: the step with 2 layers and with
+32 at two lengths (same temporaries: the per-layer peak does not grow with depth; linear
+in the length); then for each budget a search on multiples of `--step` tokens from a
+linear prediction through those two lengths (`search`: each next length on the line through
+the nearest two tried, a bisection where that does not close in) finds the largest length
+that fits. Each compile also says whether any buffer of the program holds whole `(L, vocab)`
+logits, and its largest top-level buffer. Written to `<out>/<name>.{csv,md}`.
+
+    CUDA_VISIBLE_DEVICES=-1 python -m benchmarks.context [--budgets h200=139,h100=78]
+        [--margin 0.05] [--step 2048] [--out DIR] [--name gpu_compile_context_h200]
+
+**The card's confirming step** (`--confirm SEQ`) runs on a GPU, within `--seconds`:
+a model of `--layers` (2) Llama-3-8B layers at SEQ tokens with the attention banded to
+`--window` tokens (cuDNN's sliding window: the same buffers as causal attention, so the
+same memory as compiled above, for a fraction of the L^2 time), compiled there, its
+`memory_analysis()`, then steps: their time, the card's `peak_bytes_in_use`, first and
+last loss; then, if the time is left, the same model with causal attention at `--short`
+tokens, for the rate of causal attention. It prints one `RESULT {json}` line, also when
+its time runs out (what it has measured so far, `"phase"` saying where it stopped), and
+a derived 32-layer step time and tokens/s at SEQ (marked `derived`).
+
+    XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_PYTHON_CLIENT_MEM_FRACTION=.99 \\
+        python -m benchmarks.context --confirm 1376256 --seconds 170
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    __package__ = "benchmarks"
+
+GiB = 2**30
+MODEL, METHOD, FLAGS = "llama-3-8b", "qlora-nf4", "default"
+RECIPE = dict(remat="offload", attention="cudnn", mlp_chunk=8192)
+BUDGETS = "h200=139,h100=78"  # GiB a process can use: an H200 (140.4 GiB), an H100 80GB (79.1)
+ANCHORS = (131_072, 262_144)  # the per-layer check's lengths, and the prediction's
+VOCAB = 128_256
+LAYERS = 32
+# XLA's defaults, not the host-offload recipe's pipelining (docs/gpu.md): moving the next
+# layer's input in while this one computes keeps a second (L, 4096) input on the device
+# (compiled, 26.2 GiB of temporaries at 262,144 tokens against 21.1), and at these lengths
+# a layer computes for seconds where its input crosses in a fraction of one.
+
+
+# -- the search ---------------------------------------------------------------------------------
+
+
+def predicted(rows: list[dict[str, Any]], limit_gib: float) -> int:
+    """The length at which the device bytes reach `limit_gib`, on the line through the two
+    longest of `rows` (device bytes linear in the length)."""
+    (s0, p0), (s1, p1) = sorted((r["seq"], r["device_gib"]) for r in rows)[-2:]
+    slope = (p1 - p0) / (s1 - s0)
+    return int(s1 + (limit_gib - p1) / slope)
+
+
+def search(device_gib: Callable[[int], float], limit: float, guess: int, step: int,
+           tries: int = 24) -> int | None:
+    """The largest multiple of `step` whose `device_gib` is at most `limit`, device bytes
+    growing with the length: from `guess`, each next length on the line through the two
+    nearest lengths tried (device bytes nearly linear in the length), kept inside the
+    bracket of the longest fitting and the shortest failing length (its middle once a
+    length forced next to an end of it has not closed it). None if nothing fits (or
+    `tries` run out)."""
+    known: dict[int, float] = {}
+    seq, crawled, bisect = max(step, round(guess / step) * step), False, False
+    for _ in range(tries):
+        known[seq] = device_gib(seq)
+        fit = [s for s, v in known.items() if v <= limit]
+        over = [s for s, v in known.items() if v > limit]
+        lo, hi = max(fit, default=None), min(over, default=None)
+        if lo is not None and hi is not None and hi - lo <= step:
+            return lo
+        if hi is not None and hi <= step:
+            return None
+        near = sorted(known, key=lambda s: abs(known[s] - limit))[:2]
+        if len(near) == 2 and known[near[0]] != known[near[1]]:
+            (s0, v0), (s1, v1) = ((s, known[s]) for s in near)
+            line = s0 + (limit - v0) * (s1 - s0) / (v1 - v0)
+        else:  # one length tried: double it or halve it
+            line = 2 * seq if known[seq] <= limit else seq / 2
+        nxt = int(line // step) * step
+        if lo is not None and hi is not None:
+            # The last length was forced next to an end of the bracket (the line's guess was
+            # outside it) and did not close it: the line crawls, bisect from here on.
+            bisect = bisect or crawled
+            if bisect:
+                nxt = (lo + hi) // 2 // step * step
+            crawled = not bisect and not lo + step < nxt < hi - step
+            nxt = min(max(nxt, lo + step), hi - step)
+        elif lo is not None:
+            nxt = max(nxt, lo + step)
+        else:
+            nxt = max(step, min(nxt, hi - step))
+        seq = nxt
+    return None
+
+
+def logits_whole(hlo_text: str, seq: int, vocab: int = VOCAB) -> bool:
+    """Whether any array of a compiled program has both a `seq` and a `vocab` axis."""
+    for dims in re.findall(r"[a-z]+[0-9]*\[([0-9,]+)\]", hlo_text):
+        axes = {int(d) for d in dims.split(",") if d}
+        if seq in axes and vocab in axes:
+            return True
+    return False
+
+
+def largest_buffer(hlo_text: str) -> tuple[str, float]:
+    """The largest device array an instruction of a compiled program writes outside
+    fusions (a buffer, not a value inside a kernel; host memory, `S(5)`, aside), and its
+    GiB."""
+    from . import _common as C
+    from . import gpu_compile as G
+    bodies, _ = C.hlo_executions(hlo_text)
+    fused = set(re.findall(r"kind=k\w+, calls=(%[\w.-]+)", hlo_text))
+    best = ("", 0.0)
+    for name, body in bodies.items():
+        if name in fused:
+            continue
+        for dtype, dims, layout in re.findall(
+                r"^\s*(?:ROOT )?%\S+ = ([a-z]+[0-9]*)\[([0-9,]*)\](\{[^}]*\})?", body, re.M):
+            if "S(5)" in layout:
+                continue
+            nbytes = math.prod(int(d) for d in dims.split(",") if d) * G._bits(dtype) / 8
+            if nbytes > best[1]:
+                best = (f"{dtype}[{dims}]", nbytes)
+    return best[0], best[1] / GiB
+
+
+def measure(seq: int, n_layers: int = LAYERS, target: str = "h200",
+            **config: Any) -> dict[str, Any]:
+    """XLA's memory analysis of the step at `seq` tokens, compiled for `target` (no card)."""
+    from . import gpu_compile as G
+    cfg = dict(RECIPE, **config)
+    remat, attention = cfg.pop("remat"), cfg.pop("attention")
+    t0 = time.perf_counter()
+    text = G.lowered_step(MODEL, METHOD, remat, "scan", attention, seq=seq, n_layers=n_layers,
+                          **cfg)
+    executable = G.compile_for(text, target, G.options(FLAGS))
+    compile_s = time.perf_counter() - t0
+    m = executable.get_compiled_memory_stats()
+    hlo = executable.hlo_modules()[0].to_string()
+    buffer, buffer_gib = largest_buffer(hlo)
+    device = (m.argument_size_in_bytes + m.temp_size_in_bytes + m.output_size_in_bytes
+              - m.alias_size_in_bytes)
+    return dict(target=target, seq=seq, layers=n_layers, mlp_chunk=cfg.get("mlp_chunk"),
+                args_gib=m.argument_size_in_bytes / GiB, temps_gib=m.temp_size_in_bytes / GiB,
+                outputs_gib=m.output_size_in_bytes / GiB, aliased_gib=m.alias_size_in_bytes / GiB,
+                device_gib=device / GiB,
+                host_gib=(m.host_temp_size_in_bytes + m.host_argument_size_in_bytes) / GiB,
+                largest_buffer=buffer, largest_buffer_gib=buffer_gib,
+                logits_whole=logits_whole(hlo, seq), compile_s=compile_s)
+
+
+def run_search(budgets: dict[str, float], margin: float, step: int, log: Callable[[str], None],
+               measure: Callable[..., dict[str, Any]] = measure) -> tuple[list, dict]:
+    """The per-layer check, then each budget's bisection. (rows, {target: found length})."""
+    rows: list[dict[str, Any]] = []
+    cache: dict[tuple, dict[str, Any]] = {}
+
+    def row(seq: int, layers: int, target: str, budget: float, why: str) -> dict[str, Any]:
+        if (seq, layers, target) not in cache:
+            r = measure(seq, layers, target)
+            cache[seq, layers, target] = r
+            log(f"{target} {layers} layers {seq}: {r['device_gib']:.2f} GiB device "
+                f"({r['temps_gib']:.2f} temporaries), {r['host_gib']:.2f} GiB host, "
+                f"{r['compile_s']:.0f} s")
+        r = dict(cache[seq, layers, target], budget_gib=budget, limit_gib=budget * (1 - margin),
+                 why=why)
+        r["fits"] = r["device_gib"] <= r["limit_gib"]
+        rows.append(r)
+        return r
+
+    found = {}
+    for target, budget in budgets.items():
+        anchors = [row(s, n, target, budget, "per-layer check" if n < LAYERS else "anchor")
+                   for s in ANCHORS for n in ((2, LAYERS) if target == "h200" else (LAYERS,))]
+        guess = predicted([r for r in anchors if r["layers"] == LAYERS], budget * (1 - margin))
+        log(f"{target}: {budget:g} GiB less {margin:.0%}: predicted {guess} tokens")
+        found[target] = search(
+            lambda s: row(s, LAYERS, target, budget, "search")["device_gib"],
+            budget * (1 - margin), guess, step)
+        log(f"{target}: the longest fitting length is {found[target]}")
+    return rows, found
+
+
+COLUMNS = [("target", "card"), ("budget_gib", "budget GiB"), ("why", "compiled for"),
+           ("layers", "layers"), ("seq", "tokens"), ("args_gib", "arguments GiB"),
+           ("temps_gib", "temporaries GiB"), ("outputs_gib", "outputs GiB"),
+           ("aliased_gib", "aliased GiB"), ("device_gib", "device GiB"),
+           ("host_gib", "host GiB (offloaded)"), ("largest_buffer", "largest buffer"),
+           ("largest_buffer_gib", "its GiB"), ("logits_whole", "logits whole"),
+           ("fits", "fits"), ("compile_s", "compile s")]
+
+
+def markdown(rows: list[dict[str, Any]], found: dict[str, int | None], margin: float) -> str:
+    from . import _common as C
+    table = C.md_table([t for _, t in COLUMNS], (
+        [f"{r[k]:.{0 if k == 'compile_s' else 2}f}" if isinstance(r[k], float) else r[k]
+         for k, _ in COLUMNS] for r in rows))
+    lines = [table, ""]
+    for target, seq in found.items():
+        match = [r for r in rows if r["target"] == target and r["seq"] == seq
+                 and r["layers"] == LAYERS]
+        if seq is None or not match:
+            lines.append(f"- {target}: no length fits.")
+            continue
+        r = match[0]
+        lines.append(
+            f"- **{target}, {r['budget_gib']:g} GiB less {margin:.0%} "
+            f"({r['limit_gib']:.1f} GiB): {seq:,} tokens.** Device {r['device_gib']:.2f} GiB = "
+            f"arguments {r['args_gib']:.2f} + temporaries {r['temps_gib']:.2f} + outputs "
+            f"{r['outputs_gib']:.2f} - aliased {r['aliased_gib']:.2f}; host (the 32 layers' "
+            f"offloaded inputs) {r['host_gib']:.2f} GiB.")
+    lines += ["", f"Recipe: {MODEL} {METHOD} (double quantization), rank 16 on q, k, v, o, gate, "
+              f"up, down, batch 1, bf16, Adam, remat `{RECIPE['remat']}`, attention "
+              f"`{RECIPE['attention']}`, `mlp_chunk={RECIPE['mlp_chunk']}`, the chunked loss; "
+              f"XLA flags `{FLAGS}`. Compiled deviceless (`python -m benchmarks.context`)."]
+    return "\n".join(lines) + "\n"
+
+
+# -- the card's confirming step -------------------------------------------------------------------
+
+
+class Deadline:
+    """A run's time limit: `left()` seconds, and a watchdog that prints `result` as it is
+    (`phase`: where the time ran out) and ends the process when the time is up."""
+
+    def __init__(self, seconds: float, result: dict[str, Any]):
+        self.t0, self.seconds, self.result = time.perf_counter(), seconds, result
+        self.lock = threading.Lock()
+        self.timer = threading.Timer(seconds, self._expire)
+        self.timer.daemon = True
+        self.timer.start()
+
+    def left(self) -> float:
+        return self.seconds - (time.perf_counter() - self.t0)
+
+    def _expire(self) -> None:
+        with self.lock:
+            self.result["timed_out"] = True
+            emit(self.result)
+            os._exit(3)
+
+    def finish(self) -> None:
+        with self.lock:
+            self.timer.cancel()
+            self.result["timed_out"] = False
+            emit(self.result)
+
+
+def emit(result: dict[str, Any]) -> None:
+    result["elapsed_s"] = round(time.perf_counter() - result.get("_t0", time.perf_counter()), 1)
+    for _ in range(5):  # (the watchdog's thread: the main one may be changing `result`)
+        try:
+            text = json.dumps({k: v for k, v in result.items() if not k.startswith("_")},
+                              default=str)
+            break
+        except RuntimeError:
+            time.sleep(0.05)
+    else:
+        text = json.dumps({"phase": result.get("phase"), "error": "result unreadable"})
+    print("RESULT " + text, flush=True)
+
+
+def _memory(key: str) -> float:
+    import jax
+    return (jax.devices()[0].memory_stats() or {}).get(key, 0) / GiB
+
+
+def host_peak_gib() -> float:
+    """The process's peak resident host memory (VmHWM), GiB."""
+    try:
+        text = Path("/proc/self/status").read_text()
+        return int(re.search(r"VmHWM:\s+(\d+) kB", text).group(1)) / 2**20
+    except (OSError, AttributeError):
+        return 0.0
+
+
+def card_step(seq: int, n_layers: int, window: int | None, model: str = MODEL,
+              seed: int = 0) -> tuple:
+    """(compiled Adam step, its arguments, its memory analysis) of the recipe with
+    `n_layers` layers of `model` at `seq` tokens on this device: random nf4 codes, norms at
+    1, a repeated random sequence as the window (so the loss falls). Attention `auto`:
+    cuDNN's on a GPU (as the search compiles it), query chunks elsewhere (a CPU test)."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    import lorax
+
+    from . import scale as S
+    from ._device_step import materialise
+    cfg = S.config(model, "auto", RECIPE["remat"])._replace(
+        n_layers=n_layers, mlp_chunk=RECIPE["mlp_chunk"], window=window)
+    abstract, spec = S.build(cfg, METHOD, jnp.bfloat16)
+    params = materialise(abstract, seed)
+    ones = lambda x: jnp.ones_like(x)  # noqa: E731
+    params = dict(params, final_norm=ones(params["final_norm"]), layers=dict(
+        params["layers"], attn_norm=ones(params["layers"]["attn_norm"]),
+        mlp_norm=ones(params["layers"]["mlp_norm"])))
+    trainable, frozen = lorax.partition(params, spec)
+    optimizer = optax.adam(1e-3)
+    state = optimizer.init(trainable)
+    period = jax.random.randint(jax.random.PRNGKey(seed + 1), (4096,), 0, cfg.vocab)
+    windows = jnp.tile(period, -(-(seq + 1) // 4096))[None, : seq + 1]
+    apply = lorax.lora(lambda p, w: S.LLAMA.loss(cfg, p, w), on_materialize="allow")
+
+    def step(trainable: Any, frozen: Any, opt_state: Any, windows: Any) -> tuple:
+        value, grads = jax.value_and_grad(lambda t: apply(lorax.combine(t, frozen), windows))(
+            trainable)
+        updates, opt_state = optimizer.update(grads, opt_state, trainable)
+        return optax.apply_updates(trainable, updates), opt_state, value
+
+    args = (trainable, frozen, state, windows)
+    jax.block_until_ready(args)
+    t0 = time.perf_counter()
+    compiled = jax.jit(step, donate_argnums=(0, 2)).lower(*args).compile()
+    compile_s = time.perf_counter() - t0
+    m = compiled.memory_analysis()
+    analysis = dict(args_gib=m.argument_size_in_bytes / GiB, temps_gib=m.temp_size_in_bytes / GiB,
+                    outputs_gib=m.output_size_in_bytes / GiB,
+                    aliased_gib=m.alias_size_in_bytes / GiB,
+                    device_gib=(m.argument_size_in_bytes + m.temp_size_in_bytes
+                                + m.output_size_in_bytes - m.alias_size_in_bytes) / GiB,
+                    host_gib=(m.host_temp_size_in_bytes + m.host_argument_size_in_bytes) / GiB,
+                    compile_s=round(compile_s, 1), attention=S.LLAMA._attention_implementation(
+                        cfg.attention, jnp.zeros((1, 1, cfg.n_heads, cfg.hd), jnp.bfloat16)))
+    return compiled, list(args), analysis
+
+
+def run_steps(compiled: Any, args: list, steps: int, deadline: Deadline, out: dict[str, Any],
+              reserve: float = 5.0) -> None:
+    """Up to `steps` steps, another only if the last one's time is left (and `reserve`);
+    each step's time and loss written into `out` as it ends."""
+    import jax
+    out.update(step_s=[], losses=[])
+    for i in range(steps):
+        if i and deadline.left() < out["step_s"][-1] + reserve:
+            break
+        t0 = time.perf_counter()
+        args[0], args[2], value = compiled(*args)
+        out["losses"].append(round(float(jax.block_until_ready(value)), 4))
+        out["step_s"].append(round(time.perf_counter() - t0, 3))
+        out["peak_gib"] = round(_memory("peak_bytes_in_use"), 3)
+
+
+def attention_tflop(seq: int, n_layers: int, dim: int = 4096, window: int | None = None) -> float:
+    """TFLOP of a step's attention products (causal, or banded to `window`): QK^T and PV,
+    forward, the forward again under remat, and flash attention's backward pass (2.5 times
+    the forward's: the scores recomputed)."""
+    pairs = seq * seq / 2 if window is None else seq * min(window, seq)
+    return 4 * dim * pairs * n_layers * (1 + 1 + 2.5) / 1e12
+
+
+def linear_tflop(seq: int, n_layers: int) -> float:
+    """TFLOP of a LoRA step's other products: the projections (forward, the forward again
+    under remat, the backward's input gradients) and the output layer (forward, its
+    recomputation, the input gradient)."""
+    per_layer = 4096 * 4096 * 2 + 2 * 4096 * 1024 + 3 * 4096 * 14336
+    return (2 * 3 * per_layer * n_layers + 2 * 3 * VOCAB * 4096) * seq / 1e12
+
+
+def derived(long: dict[str, Any], short: dict[str, Any] | None, seq: int, short_seq: int,
+            n_layers: int, window: int) -> dict[str, Any]:
+    """The 32-layer step at `seq` with causal attention, derived: the banded run's rate for
+    the other products, and causal attention at the short run's rate (or, without one, at
+    the banded run's overall rate), each scaled by its TFLOP."""
+    t_long = min(long["step_s"][1:] or long["step_s"])
+    rest = linear_tflop(seq, n_layers) + attention_tflop(seq, n_layers, window=window)
+    rate = rest / t_long  # TFLOP/s of the banded step
+    att_rate = rate
+    if short and short.get("step_s"):
+        t_short = min(short["step_s"][1:] or short["step_s"])
+        t_att = t_short - linear_tflop(short_seq, n_layers) / rate
+        if t_att > 0:
+            att_rate = attention_tflop(short_seq, n_layers) / t_att
+    step = (linear_tflop(seq, LAYERS) / rate + attention_tflop(seq, LAYERS) / att_rate)
+    return dict(derived=True, layers=LAYERS, seq=seq, step_s=round(step, 1),
+                tokens_per_s=round(seq / step, 1), linear_tflops_per_s=round(rate, 1),
+                attention_tflops_per_s=round(att_rate, 1))
+
+
+def confirm(seq: int, n_layers: int, window: int, short_seq: int, steps: int,
+            seconds: float, model: str = MODEL) -> dict[str, Any]:
+    """The card's confirming run (the module docstring's); prints its `RESULT` line."""
+    result: dict[str, Any] = dict(_t0=time.perf_counter(), seq=seq, layers=n_layers,
+                                  window=window, phase="start")
+    deadline = Deadline(seconds, result)
+    import jax
+    result.update(device=jax.devices()[0].device_kind, jax=jax.__version__,
+                  bytes_limit_gib=round(_memory("bytes_limit"), 2),
+                  xla_flags=os.environ.get("XLA_FLAGS", ""))
+    try:
+        _confirm_phases(result, deadline, seq, n_layers, window, short_seq, steps, model)
+    except Exception as e:  # (an out-of-memory error is a result too)
+        result["error"] = f"{type(e).__name__}: {str(e)[:2000]}"
+    deadline.finish()
+    return result
+
+
+def _confirm_phases(result: dict[str, Any], deadline: Deadline, seq: int, n_layers: int,
+                    window: int, short_seq: int, steps: int, model: str) -> None:
+    long: dict[str, Any] = dict(seq=seq, window=window)
+    result["banded"] = long
+    result["phase"] = "banded: setup and compile"
+    compiled, args, long["memory_analysis"] = card_step(seq, n_layers, window, model)
+    result["phase"] = "banded: steps"
+    run_steps(compiled, args, steps, deadline, long)
+    long.update(tokens_per_s=round(seq / min(long["step_s"]), 1), host_peak_gib=host_peak_gib())
+    del compiled, args
+    short: dict[str, Any] | None = None
+    guess = 60 + 2 * attention_tflop(short_seq, n_layers) / 400
+    if deadline.left() > guess:
+        short = dict(seq=short_seq, window=None)
+        result["causal"] = short
+        result["phase"] = "causal: setup and compile"
+        compiled, args, short["memory_analysis"] = card_step(short_seq, n_layers, None, model)
+        result["phase"] = "causal: steps"
+        run_steps(compiled, args, steps, deadline, short)
+        short["tokens_per_s"] = round(short_seq / min(short["step_s"]), 1)
+    result["phase"] = "done"
+    result["derived_32_layers"] = derived(long, short, seq, short_seq, n_layers, window)
+
+
+# -- the command ---------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> Any:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--budgets", default=BUDGETS, help="TARGET=GIB,...: the cards and the GiB "
+                   "a process can use of each")
+    p.add_argument("--margin", type=float, default=0.05, help="of the budget, kept free")
+    p.add_argument("--step", type=int, default=2048, help="the lengths tried are multiples of it")
+    p.add_argument("--out", default=None)
+    p.add_argument("--name", default="gpu_compile_context_h200")
+    p.add_argument("--confirm", type=int, default=None, metavar="SEQ",
+                   help="run the card's confirming step at SEQ tokens (needs a GPU)")
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--window", type=int, default=4096)
+    p.add_argument("--short", type=int, default=131_072, help="the causal run's tokens")
+    p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--seconds", type=float, default=170)
+    p.add_argument("--model", default=MODEL, help="the confirming step's model")
+    args = p.parse_args(argv)
+    if args.confirm:
+        return confirm(args.confirm, args.layers, args.window, args.short, args.steps,
+                       args.seconds, args.model)
+    os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
+    from . import _common as C
+    clock = C.Clock("context")
+    budgets = {k: float(v) for k, v in (b.split("=") for b in args.budgets.split(","))}
+    rows, found = run_search(budgets, args.margin, args.step, clock.log)
+    out = C.out_dir(args.out)
+    C.write_csv(out / f"{args.name}.csv", rows)
+    text = markdown(rows, found, args.margin)
+    import jax
+    (out / f"{args.name}.md").write_text(
+        text + f"\nCompiled by jax {jax.__version__}'s CUDA plugin, deviceless; "
+        f"{clock.elapsed:.0f} s.\n")
+    print(text)
+    return rows, found
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,199 @@
+"""`benchmarks.context`: the longest-context search and the card's confirming step, the parts
+a CPU can check (the search's compiles need JAX's CUDA plugin; its figures are in
+`benchmarks/results/gpu_compile_context_h200.md`), and `llama.Config.mlp_chunk`.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import lorax
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks import context as X  # noqa: E402
+from benchmarks import scale as S  # noqa: E402
+
+L = S.LLAMA
+
+
+# -- llama.Config.mlp_chunk -------------------------------------------------------------------
+
+
+def _values_and_grads(cfg, method: str, seq: int):
+    """Loss and gradients of the tiny model, f32, random values (the same for any cfg)."""
+    abstract, spec = S.build(cfg, method, jnp.float32)
+    leaves, treedef = jax.tree_util.tree_flatten(abstract)
+    keys = jax.random.split(jax.random.PRNGKey(0), len(leaves))
+    values = [jax.random.randint(k, s.shape, 0, 255).astype(s.dtype)
+              if jnp.issubdtype(s.dtype, jnp.integer)
+              else 0.1 * jax.random.normal(k, s.shape, s.dtype) + (1.0 if s.ndim < 2 else 0)
+              for k, s in zip(keys, leaves)]
+    params = jax.tree_util.tree_unflatten(treedef, values)
+    windows = jax.random.randint(jax.random.PRNGKey(1), (2, seq + 1), 0, cfg.vocab)
+    if method == "dense":
+        return jax.jit(jax.value_and_grad(lambda p: L.loss(cfg, p, windows)))(params)
+    trainable, frozen = lorax.partition(params, spec)
+    apply = lorax.lora(lambda p, w: L.loss(cfg, p, w), on_materialize="error")
+    return jax.jit(jax.value_and_grad(
+        lambda t: apply(lorax.combine(t, frozen), windows)))(trainable)
+
+
+@pytest.mark.parametrize("method,remat", [("lora", "layer"), ("qlora-nf4", "none")])
+@pytest.mark.parametrize("chunk", [16, 24])  # 24: a last, shorter chunk (96 = 4 x 24; 100 not)
+def test_mlp_chunk_gives_the_plain_mlps_values_and_gradients(method, remat, chunk):
+    base = L.Config(2, 128, 256, 4, 2, 5e5, 1e-5, 256, attention="xla", remat=remat)
+    plain = _values_and_grads(base, method, 100)
+    chunked = _values_and_grads(base._replace(mlp_chunk=chunk), method, 100)
+    np.testing.assert_allclose(chunked[0], plain[0], rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(chunked[1]), jax.tree.leaves(plain[1])):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6 * float(jnp.max(jnp.abs(b))))
+
+
+def test_mlp_chunk_never_makes_the_whole_intermediate():
+    """The step's program has no (B, T, hidden) array with chunks on: each chunk's only."""
+    cfg = L.Config(1, 64, 192, 4, 2, 5e5, 1e-5, 256, attention="xla", mlp_chunk=32)
+    params = jax.tree.map(lambda s: jnp.ones(s.shape, s.dtype),
+                          S.abstract_params(cfg, jnp.float32))
+    windows = jnp.zeros((1, 129), jnp.int32)
+    jaxpr = str(jax.make_jaxpr(jax.grad(lambda p: L.loss(cfg, p, windows)))(params))
+    assert "f32[1,32,192]" in jaxpr and "f32[1,128,192]" not in jaxpr
+    plain = str(jax.make_jaxpr(jax.grad(lambda p: L.loss(cfg._replace(mlp_chunk=None), p,
+                                                          windows)))(params))
+    assert "f32[1,128,192]" in plain
+
+
+def test_config_default_is_todays_mlp():
+    assert L.Config(2, 64, 128, 4, 2, 5e5, 1e-5, 256).mlp_chunk is None
+
+
+# -- the search ----------------------------------------------------------------------------------
+
+
+def _counted(fn, asked: list[int]):
+    def device_gib(seq: int) -> float:
+        assert seq not in asked, "a length compiled twice"
+        assert seq % 2048 == 0
+        asked.append(seq)
+        return fn(seq)
+    return device_gib
+
+
+ANSWER = 1_376_256  # the largest fitting multiple of 2048 in the fakes below
+SHAPES = {
+    "linear": lambda s: 4.0 + s * 80 / 2**20,
+    "convex": lambda s: 4.0 + s * 60 / 2**20 + (s / 2**20) ** 2 * 18,
+    # a fit function only: fits or not, nothing to interpolate
+    "fits or not": lambda s: 0.0 if s <= ANSWER + 2047 else 1000.0,
+}
+
+
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+@pytest.mark.parametrize("guess", [300_000, 1_300_000, 1_500_000, 4_000_000])
+def test_search_finds_the_largest_fitting_length(shape, guess):
+    fn = SHAPES[shape]
+    limit = fn(ANSWER + 1024) if shape != "fits or not" else 1.0
+    asked: list[int] = []
+    found = X.search(_counted(fn, asked), limit, guess, 2048)
+    assert found == ANSWER
+    assert ANSWER in asked and ANSWER + 2048 in asked  # both sides of the edge compiled
+    assert len(asked) <= {"linear": 5, "convex": 8}.get(shape, 24)
+
+
+def test_search_none_when_nothing_fits():
+    assert X.search(lambda s: 100.0 + s, 50.0, 65536, 2048) is None
+
+
+def test_predicted_is_the_line_through_the_two_longest():
+    rows = [dict(seq=1000, device_gib=50.0), dict(seq=131072, device_gib=12.0),
+            dict(seq=262144, device_gib=22.0)]
+    assert X.predicted(rows, 102.0) == 262144 + 8 * 131072
+
+
+def test_run_search_with_a_fake_compiler():
+    """Device bytes linear in the length (4 GiB of weights, 80 KiB a token): each budget's
+    answer, the per-layer rows, and every row's fit against its budget less the margin."""
+    def measure(seq, layers, target):
+        weights = 4.0 if layers == 32 else 0.5
+        temps = seq * 80 / 2**20
+        return dict(target=target, seq=seq, layers=layers, mlp_chunk=8192, args_gib=weights,
+                    temps_gib=temps, outputs_gib=0.1, aliased_gib=0.1,
+                    device_gib=weights + temps, host_gib=layers * seq * 8 / 2**20,
+                    largest_buffer="bf16[1,4096]", largest_buffer_gib=0.0, logits_whole=False,
+                    compile_s=0.0)
+    rows, found = X.run_search({"h200": 139, "h100": 78}, 0.05, 2048, lambda _: None, measure)
+    for target, budget in (("h200", 139), ("h100", 78)):
+        limit_tokens = (budget * 0.95 - 4.0) * 2**20 / 80
+        assert found[target] == int(limit_tokens) // 2048 * 2048
+    assert {r["layers"] for r in rows if r["target"] == "h200"} == {2, 32}
+    assert all(r["fits"] == (r["device_gib"] <= r["budget_gib"] * 0.95) for r in rows)
+    text = X.markdown(rows, found, 0.05)
+    assert f"{found['h200']:,} tokens" in text
+
+
+# -- reading the compiled program ------------------------------------------------------------------
+
+_MODULE = """\
+%fused_loss (p0: bf16[4096,8016]) -> bf16[4096,128256] {
+  %p0 = bf16[4096,8016]{1,0} parameter(0)
+  ROOT %big = bf16[4096,128256]{1,0} broadcast(%p0), dimensions={}
+}
+
+ENTRY %main (a: bf16[4096,4096]) -> bf16[4096,8016] {
+  %a = bf16[4096,4096]{1,0} parameter(0)
+  %h = bf16[32,4096,4096]{2,1,0:S(5)} parameter(1)
+  %f = bf16[4096,8016]{1,0} fusion(%a), kind=kLoop, calls=%fused_loss
+  ROOT %z = bf16[4096,8016]{1,0} copy(%f)
+}
+"""
+
+
+def test_logits_whole_and_the_largest_buffer():
+    assert X.logits_whole(_MODULE, 4096)  # (inside a fusion too: a value, still whole)
+    assert not X.logits_whole(_MODULE.replace("128256", "8016"), 4096)
+    shape, gib = X.largest_buffer(_MODULE)  # the fusion's inside is no buffer; host aside
+    assert shape == "bf16[4096,8016]" and gib == pytest.approx(4096 * 8016 * 2 / 2**30)
+
+
+# -- the card's confirming step ------------------------------------------------------------------
+
+
+def test_confirm_runs_end_to_end_on_the_tiny_model(capsys):
+    result = X.confirm(256, 2, 64, 128, 2, 600, model="tiny")
+    line = [x for x in capsys.readouterr().out.splitlines() if x.startswith("RESULT ")]
+    printed = json.loads(line[-1].removeprefix("RESULT "))
+    assert "error" not in result, result.get("error")
+    assert printed["phase"] == "done" and printed["timed_out"] is False
+    for phase in ("banded", "causal"):
+        assert len(printed[phase]["losses"]) == 2 and len(printed[phase]["step_s"]) == 2
+        assert printed[phase]["memory_analysis"]["device_gib"] > 0
+    assert printed["derived_32_layers"]["derived"] is True
+    assert printed["derived_32_layers"]["tokens_per_s"] > 0
+
+
+def test_deadline_prints_what_it_has_and_ends_the_process():
+    code = ("import time; from benchmarks.context import Deadline; "
+            "r = {'phase': 'banded: steps', 'banded': {'step_s': [1.5]}}; "
+            "Deadline(0.5, r); time.sleep(30)")
+    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                       timeout=25)
+    assert p.returncode == 3
+    printed = json.loads(p.stdout.strip().splitlines()[-1].removeprefix("RESULT "))
+    assert printed["timed_out"] is True and printed["phase"] == "banded: steps"
+    assert printed["banded"]["step_s"] == [1.5]
+
+
+def test_attention_flops_causal_and_banded():
+    assert X.attention_tflop(8192, 1, window=8192) == pytest.approx(
+        2 * X.attention_tflop(8192, 1))
+    assert X.attention_tflop(1 << 20, 2, window=4096) < X.attention_tflop(1 << 20, 2) / 100
