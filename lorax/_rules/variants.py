@@ -42,6 +42,7 @@ from .._sharding import varying_axes
 from .sharding import sharding_constraint_p
 
 pvary_p = _engine.pvary_p
+reshard_p = _engine.reshard_p
 
 
 def _side_axes(ad: Adapted) -> tuple[int, ...]:
@@ -385,15 +386,23 @@ def _(ad: Adapted, *, axes: Any) -> Any:
                    vary(ad.key), ad.rate, vary(ad.gate))
 
 
-@_engine.register(sharding_constraint_p)
-def _(ad: Adapted, **params: Any) -> Any:
-    bind = lambda lw: sharding_constraint_p.bind(lw, **params)  # noqa: E731
-    out = _engine.call(bind, ad.lw)
-    if isinstance(out, LoraWeight):
-        return Adapted(out, ad.g, ad.key, ad.rate, ad.gate)
-    if ad.gate is not None:
-        out = _engine.call(bind, gated_lora(ad.lw, ad.gate))
-    return out if ad.g is None else out * ad.g.astype(out.dtype)
+def _layout_rule(prim: Any) -> None:
+    """`with_sharding_constraint` / `reshard` of an adapted weight: its LoRA part laid out
+    by the LoRA rule, the variant's own parts as they are."""
+    @_engine.register(prim)
+    def _(ad: Adapted, **params: Any) -> Any:
+        bind = lambda lw: prim.bind(lw, **params)  # noqa: E731
+        out = _engine.call(bind, ad.lw)
+        if isinstance(out, LoraWeight):
+            return Adapted(out, ad.g, ad.key, ad.rate, ad.gate)
+        if ad.gate is not None:
+            out = _engine.call(bind, gated_lora(ad.lw, ad.gate))
+        return out if ad.g is None else out * ad.g.astype(out.dtype)
+
+
+_LAYOUT_PRIMS = tuple(p for p in (sharding_constraint_p, reshard_p) if p is not None)
+for _prim in _LAYOUT_PRIMS:
+    _layout_rule(_prim)
 
 
 # -- a DoraWeight or LoraDropout that did not pass `lora`'s boundary -------------------------
@@ -413,8 +422,7 @@ def _redirect_unary(prim: Any) -> None:
 
 
 for _prim in (lax.transpose_p, lax.convert_element_type_p, _prims.copy_p, lax.slice_p,
-              lax.squeeze_p, lax.reshape_p, lax.broadcast_in_dim_p, pvary_p,
-              sharding_constraint_p):
+              lax.squeeze_p, lax.reshape_p, lax.broadcast_in_dim_p, pvary_p, *_LAYOUT_PRIMS):
     _redirect_unary(_prim)
 
 for _cls in _Raw:
