@@ -101,6 +101,21 @@ def train(step: Callable[[], Any], steps: int, device: str) -> tuple[list[float]
     return times, losses
 
 
+def adamw_step(params: list, loss: Callable[[], Any]) -> Callable[[], Any]:
+    """One training step of `loss()` (a PyTorch scalar) with AdamW at 1e-4 on `params`, the
+    optimizer every PyTorch cell uses."""
+    opt = torch.optim.AdamW(params, lr=1e-4)
+
+    def step() -> Any:
+        value = loss()
+        value.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return value
+
+    return step
+
+
 def start(device: str) -> float:
     """The setup's end: the device synchronised, its peak counter reset (so a cell's peak is
     its weights and state plus the steps' own); the time."""
@@ -138,19 +153,12 @@ def run(model: str, batch: int, steps: int, compile_: bool, checkpointing: bool)
     t0 = time.perf_counter()
     net, vocab, seq = build(model, device, checkpointing)
     params = [p for p in net.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=1e-4)
     ids = windows(batch, seq, vocab, device)
     x, y = ids[:, :-1], ids[:, 1:].contiguous()
     forward = torch.compile(net) if compile_ else net
     net.train()
-
-    def step() -> Any:
-        logits = forward(input_ids=x).logits
-        loss = torch.nn.functional.cross_entropy(logits.float().view(-1, vocab), y.view(-1))
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss
+    step = adamw_step(params, lambda: torch.nn.functional.cross_entropy(
+        forward(input_ids=x).logits.float().view(-1, vocab), y.view(-1)))
 
     setup_s = start(device) - t0
     times, losses = train(step, steps, device)

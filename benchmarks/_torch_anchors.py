@@ -83,17 +83,10 @@ def liger(model: str, batch: int, steps: int, compile_: bool, checkpointing: boo
     device, t0 = device_of(), time.perf_counter()
     net, vocab, seq = P.build(model, device, checkpointing)
     params = [p for p in net.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=1e-4)
     x = P.windows(batch, seq, vocab, device)[:, :-1].contiguous()
     forward = torch.compile(net) if compile_ else net
     net.train()  # the fused linear cross-entropy (no logits formed) is its training path
-
-    def step() -> Any:
-        loss = forward(input_ids=x, labels=x).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss
+    step = P.adamw_step(params, lambda: forward(input_ids=x, labels=x).loss)
 
     setup_s = P.start(device) - t0
     times, losses = P.train(step, steps, device)
@@ -188,15 +181,8 @@ def unsloth(model: str, batch: int, steps: int, quant: str, checkpointing: str,
         use_gradient_checkpointing=gc, random_state=0, max_seq_length=seq)
     FastLanguageModel.for_training(net)
     params = [p for p in net.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=1e-4)
     x = P.windows(batch, seq, vocab, device)[:, :-1].contiguous()
-
-    def step() -> Any:
-        loss = net(input_ids=x, labels=x).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss
+    step = P.adamw_step(params, lambda: net(input_ids=x, labels=x).loss)
 
     setup_s = P.start(device) - t0
     times, losses = P.train(step, steps, device)

@@ -17,8 +17,9 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P, resh
 
 import lorax
 from conftest import assert_close
-from test_sharding import (H, K, LAYOUTS, NAMES, collectives, data, factor_leaves,  # noqa: F401
-                           lora_setup, loss, make_step, mesh_for, reference, shardings_of)
+from test_sharding import (H, K, LAYOUTS, NAMES, assert_matches_reference,  # noqa: F401
+                           collectives, data, lora_setup, loss, make_step, mesh_for, reference,
+                           shardings_of)
 
 pytestmark = pytest.mark.skipif(
     jax.device_count() < 8, reason="needs 8 devices (XLA_FLAGS from tests/conftest.py)"
@@ -83,13 +84,7 @@ def test_training_step_under_explicit_axes_matches_single_device(layout, data, r
         l1, g1, trainable, opt_state = step(trainable, frozen, opt_state, x, y)
         l2, _, trainable, _ = step(trainable, frozen, opt_state, x, y)
 
-    ref_losses, ref_grads, ref_trainable = reference
-    assert_close([float(l1), float(l2)], ref_losses, rtol=1e-5)
-    for tree, ref in ((g1, ref_grads), (trainable, ref_trainable)):
-        got, want = factor_leaves(tree), factor_leaves(ref)
-        assert got.keys() == want.keys()
-        for key in want:
-            assert_close(got[key], want[key], rtol=1e-5, err_msg=key)
+    assert_matches_reference((l1, l2), g1, trainable, reference)
     for n in NAMES:  # gradients and updates keep the factors' types
         for part in ("a", "b"):
             want = getattr(lp[n], part).sharding.spec
