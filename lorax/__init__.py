@@ -18,8 +18,7 @@ from ._init import init_lora as init_lora
 from ._layout import infer_layout as infer_layout
 from ._optim import wrap_optimizer as wrap_optimizer
 from ._quant import QuantizedArray as QuantizedArray, quantize as quantize
-from ._placement import offload_frozen as offload_frozen
-from ._placement import offload_state as offload_state
+from ._offload import offload_frozen as offload_frozen, offload_state as offload_state
 from ._params import (
     combine as combine,
     merge_params as merge_params,
@@ -46,9 +45,8 @@ from ._variants.dora import DoraWeight as DoraWeight
 from ._variants.dropout import LoraDropout as LoraDropout, dropout as dropout
 from ._variants.init import LoftQ as LoftQ
 from ._variants.loraplus import loraplus as loraplus
+from ._version import __version__ as __version__
 from ._weight import LoraWeight as LoraWeight
-
-__version__ = "0.4.0"
 
 __all__ = [
     "LORA_FREEZE",

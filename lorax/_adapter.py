@@ -15,12 +15,14 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 
 from . import _engine
 from ._files import field, parse_json, read_safetensors
 from ._spec import LORA_FREEZE, LORA_FULL, LoraSpec, check_lora_leaves, check_spec_structure
 from ._sharding import factor_shardings, place_host_array
 from ._variants.dora import DoraWeight
+from ._version import __version__
 from ._weight import LoraWeight, factor_structure, normalize_m_axes
 
 _FORMAT = "lorax-adapter/1"
@@ -104,8 +106,6 @@ def _to_host(x: Any) -> np.ndarray:
         return np.asarray(x.addressable_data(0))
     # Shards live on other processes' devices: gathering them is a collective,
     # so every process must be here (see `save_adapter`).
-    from jax.experimental import multihost_utils
-
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
@@ -181,8 +181,6 @@ def save_adapter(path: str | os.PathLike, lora_params: Any, spec: Any,
         assert (loaded["w"].a == lp["w"].a).all()
         ```
     """
-    from . import __version__
-
     _check_metadata(metadata)
     check_spec_structure(spec, lora_params, "save_adapter")
     check_lora_leaves(spec, lora_params, "save_adapter")

@@ -1,8 +1,10 @@
-"""Checks of plain arguments (flags, numbers), shared by the public functions.
+"""Checks of plain arguments (flags, numbers, optimizers), shared by the public functions.
 
 A flag is read with `if flag:`, so a string such as `"no"` would quietly mean yes (and
 `merge_params(destructive="no")` would delete the caller's weights); a `nan` scale
-would train on `nan`s. Each check raises at the call, naming the function and argument.
+would train on `nan`s; an optimizer given by name fails deep inside optax. Each check
+raises at the call, naming the function and argument. Checks of lorax's own values
+live with them (a spec value's against its weight: `_spec.check_weight_spec`).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from typing import Any
 
 import jax
 import numpy as np
+import optax
 
 
 def is_int(x: Any) -> bool:
@@ -41,3 +44,15 @@ def check_finite(where: str, name: str, value: Any, *, positive: bool = False) -
         need = "a finite number > 0" if positive else "a finite number"
         raise ValueError(f"{where}: {name} must be {need}, got {value!r}.")
     return out
+
+
+def check_optimizer(name: str, optimizer: Any) -> None:
+    """Raise a `TypeError` naming `name` unless `optimizer` is an optax transformation
+    (anything with `init` and `update`, as optax's own protocol has it)."""
+    if callable(getattr(optimizer, "init", None)) and callable(getattr(optimizer, "update", None)):
+        return
+    hint = (f" (`optax.{optimizer}(learning_rate)` makes one)"
+            if isinstance(optimizer, str) and callable(getattr(optax, optimizer, None)) else "")
+    raise TypeError(f"{name}: optimizer must be an optax.GradientTransformation (with init "
+                    f"and update), e.g. optax.adam(1e-3); got {type(optimizer).__name__} "
+                    f"{optimizer!r:.60}{hint}")

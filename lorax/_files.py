@@ -17,13 +17,12 @@ import struct
 from typing import Any, NamedTuple
 
 import numpy as np
+from safetensors import SafetensorError, safe_open
 
 
 def read_safetensors(path: str | os.PathLike, who: str,
                      finite: bool = True) -> tuple[dict[str, np.ndarray], dict[str, str]]:
     """`(tensors, metadata)` of a safetensors file, validated (see the module docstring)."""
-    from safetensors import SafetensorError, safe_open
-
     try:
         with safe_open(os.fspath(path), framework="numpy") as f:
             metadata = dict(f.metadata() or {})

@@ -12,8 +12,8 @@ import jax
 import jax.numpy as jnp
 
 from . import _engine
-from ._checks import check_bool, check_finite, is_int
-from ._spec import LoraSpec, as_lora_spec, check_spec_structure, path_str, spec_axes
+from ._checks import check_bool, check_finite
+from ._spec import LoraSpec, check_spec_structure, check_weight_spec, path_str, spec_axes
 from ._sharding import place_factors
 from ._variants import init as _variant_init
 from ._variants.dora import DoraWeight
@@ -30,52 +30,6 @@ def _draw_factors(rng: jax.Array, shapes: tuple, dtype: Any, stddev: Any) -> lis
          jnp.zeros(b_shape, dtype))
         for key, (a_shape, b_shape) in zip(keys, shapes)
     ]
-
-
-def check_weight_spec(fn: str, where: str, spec_val: Any, param: Any) -> LoraSpec | None:
-    """The `LoraSpec` that `spec_val` gives the weight `param` at `where` (a key path),
-    every field checked against it, or `None` for a frozen or fully trained leaf; a
-    `ValueError` naming `fn` and `where` if the two do not fit."""
-    ls = as_lora_spec(spec_val)  # a spec value: `check_spec_structure` checked each
-    if ls is None:
-        return None
-    if isinstance(param, LoraWeight):  # its `w` would become a LoraWeight in a LoraWeight
-        raise ValueError(
-            f"{fn}: {where!r} is already a {type(param).__name__}; pass the base "
-            "parameters (lorax.merge_params gives them back from a LoRA tree).")
-    for name in ("batch_ndim", "m_ndim"):
-        value = getattr(ls, name)
-        if value is not None and (not is_int(value) or value < 0):
-            raise ValueError(f"{fn}: LoraSpec.{name} at {where!r} must be None or an "
-                             f"int >= 0; got {value!r}.")
-    shape = tuple(getattr(param, "shape", ()))
-    dtype = getattr(param, "dtype", None)
-    if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
-        raise ValueError(
-            f"{fn}: {where!r} has dtype {dtype}; LoRA needs a floating-point weight."
-        )
-    nb = ls.batch_ndim or 0
-    _, m, n = spec_axes(shape, ls)
-    bad_m_axes = ls.m_axes is not None and (
-        len(set(m)) != len(ls.m_axes) or not all(nb <= i < len(shape) for i in m)
-        or (ls.m_ndim is not None and ls.m_ndim != len(m)))
-    if bad_m_axes or len(shape) - nb < 2 or not m or not n:
-        raise ValueError(
-            f"{fn}: {where!r} has shape {shape}; a rank-{ls.rank} LoRA with "
-            f"batch_ndim={nb}, m_ndim={ls.m_ndim}, m_axes={ls.m_axes} needs at least one "
-            "axis on each side of the factorisation (m_axes: distinct axes after the "
-            "batch axes, as many as m_ndim)."
-        )
-    if not is_int(ls.rank) or ls.rank < 1:
-        raise ValueError(
-            f"{fn}: rank {ls.rank!r} at {where!r} must be an integer >= 1 "
-            f"(weight of shape {shape})."
-        )
-    alpha = None if ls.alpha is None else check_finite(fn, f"alpha at {where!r}", ls.alpha)
-    check_bool(fn, f"dora at {where!r}", ls.dora)
-    contiguous = m == tuple(range(nb, nb + len(m)))
-    return LoraSpec(int(ls.rank), alpha, nb, len(m), ls.dora, ls.input_factor,
-                    None if contiguous else m)
 
 
 def _factor_shapes(shape: tuple[int, ...], ls: LoraSpec) -> tuple[tuple, tuple]:

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import optax
 
 from . import _engine
+from ._checks import check_optimizer
 from ._spec import LORA_FREEZE, check_lora_leaves, check_spec_structure
 from ._weight import LoraWeight, unchecked_replace
 
@@ -106,15 +107,3 @@ def wrap_optimizer(optimizer: optax.GradientTransformation, spec: Any) -> optax.
         {_TRAIN: optimizer, _FREEZE: freeze()},
         lambda params: _labels(spec, params),
     )
-
-
-def check_optimizer(name: str, optimizer: Any) -> None:
-    """Raise a `TypeError` naming `name` unless `optimizer` is an optax transformation
-    (anything with `init` and `update`, as optax's own protocol has it)."""
-    if callable(getattr(optimizer, "init", None)) and callable(getattr(optimizer, "update", None)):
-        return
-    hint = (f" (`optax.{optimizer}(learning_rate)` makes one)"
-            if isinstance(optimizer, str) and callable(getattr(optax, optimizer, None)) else "")
-    raise TypeError(f"{name}: optimizer must be an optax.GradientTransformation (with init "
-                    f"and update), e.g. optax.adam(1e-3); got {type(optimizer).__name__} "
-                    f"{optimizer!r:.60}{hint}")

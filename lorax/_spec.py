@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal, Union
@@ -11,7 +12,9 @@ import jax
 import jax.numpy as jnp
 from jax.tree_util import DictKey, FlattenedIndexKey, GetAttrKey, SequenceKey
 
-from ._checks import check_bool, is_int
+from ._checks import check_bool, check_finite, is_int
+from ._engine import is_value
+from ._weight import LoraWeight
 
 LORA_FREEZE = 0
 """Spec value: keep this parameter frozen (no gradient, no optimizer state)."""
@@ -249,8 +252,6 @@ def simple_spec(
 
 
 def _spec_tree(params: Any, leaf_spec: Callable, is_leaf: Callable[[Any], bool] | None) -> Any:
-    from ._engine import is_value  # local: the engine does not depend on specs
-
     # A quantized weight is one parameter, whatever its leaves.
     return jax.tree_util.tree_map_with_path(
         leaf_spec, params, is_leaf=lambda x: is_value(x) or (is_leaf is not None and is_leaf(x)))
@@ -285,7 +286,6 @@ def check_spec_structure(spec: Any, params: Any, where: str, is_leaf: Any = None
     or whose spec value is not one (`_check_spec_values`)."""
     spec_leaves = jax.tree_util.tree_flatten_with_path(spec)[0]
     spec_paths = {path_str(p) for p, _ in spec_leaves}
-    from ._engine import is_value  # local: the engine does not depend on specs
 
     # A LoraWeight or QuantizedArray is one parameter, whatever its leaves.
     stop = lambda x: is_value(x) or (is_leaf is not None and is_leaf(x))  # noqa: E731
@@ -322,8 +322,6 @@ def check_lora_leaves(spec: Any, lora_params: Any, where: str) -> None:
     Those who split, save or optimise a tree read a rank as "its `a` and `b` train":
     given the base parameters instead (`init_lora` forgotten), the whole weight would
     be trained, or its adapter left out of a checkpoint, without a word."""
-    from ._weight import LoraWeight  # local: weights do not depend on specs
-
     paths = jax.tree_util.tree_flatten_with_path(spec)[0]
     leaves = jax.tree_util.tree_structure(spec).flatten_up_to(lora_params)
     for (path, value), leaf in zip(paths, leaves):
@@ -343,6 +341,52 @@ def _what(leaf: Any) -> str:
     if hasattr(leaf, "shape") and hasattr(leaf, "dtype"):
         return f"an array {jnp.dtype(leaf.dtype).name}{list(leaf.shape)}"
     return f"a {kind}"
+
+
+def check_weight_spec(fn: str, where: str, spec_val: Any, param: Any) -> LoraSpec | None:
+    """The `LoraSpec` that `spec_val` gives the weight `param` at `where` (a key path),
+    every field checked against it, or `None` for a frozen or fully trained leaf; a
+    `ValueError` naming `fn` and `where` if the two do not fit."""
+    ls = as_lora_spec(spec_val)  # a spec value: `check_spec_structure` checked each
+    if ls is None:
+        return None
+    if isinstance(param, LoraWeight):  # its `w` would become a LoraWeight in a LoraWeight
+        raise ValueError(
+            f"{fn}: {where!r} is already a {type(param).__name__}; pass the base "
+            "parameters (lorax.merge_params gives them back from a LoRA tree).")
+    for name in ("batch_ndim", "m_ndim"):
+        value = getattr(ls, name)
+        if value is not None and (not is_int(value) or value < 0):
+            raise ValueError(f"{fn}: LoraSpec.{name} at {where!r} must be None or an "
+                             f"int >= 0; got {value!r}.")
+    shape = tuple(getattr(param, "shape", ()))
+    dtype = getattr(param, "dtype", None)
+    if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+        raise ValueError(
+            f"{fn}: {where!r} has dtype {dtype}; LoRA needs a floating-point weight."
+        )
+    nb = ls.batch_ndim or 0
+    _, m, n = spec_axes(shape, ls)
+    bad_m_axes = ls.m_axes is not None and (
+        len(set(m)) != len(ls.m_axes) or not all(nb <= i < len(shape) for i in m)
+        or (ls.m_ndim is not None and ls.m_ndim != len(m)))
+    if bad_m_axes or len(shape) - nb < 2 or not m or not n:
+        raise ValueError(
+            f"{fn}: {where!r} has shape {shape}; a rank-{ls.rank} LoRA with "
+            f"batch_ndim={nb}, m_ndim={ls.m_ndim}, m_axes={ls.m_axes} needs at least one "
+            "axis on each side of the factorisation (m_axes: distinct axes after the "
+            "batch axes, as many as m_ndim)."
+        )
+    if not is_int(ls.rank) or ls.rank < 1:
+        raise ValueError(
+            f"{fn}: rank {ls.rank!r} at {where!r} must be an integer >= 1 "
+            f"(weight of shape {shape})."
+        )
+    alpha = None if ls.alpha is None else check_finite(fn, f"alpha at {where!r}", ls.alpha)
+    check_bool(fn, f"dora at {where!r}", ls.dora)
+    contiguous = m == tuple(range(nb, nb + len(m)))
+    return LoraSpec(int(ls.rank), alpha, nb, len(m), ls.dora, ls.input_factor,
+                    None if contiguous else m)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -395,12 +439,6 @@ def summary(params: Any, spec: Any) -> SpecSummary:
         print(s)  # LoRA on 1 weights, 1 trained fully, 0 frozen; trainable ...
         ```
     """
-    import math
-
-    from ._engine import is_value
-    from ._init import check_weight_spec  # local: init_lora builds on specs
-    from ._weight import LoraWeight
-
     check_spec_structure(spec, params, "summary")
     flat, treedef = jax.tree_util.tree_flatten_with_path(params, is_leaf=is_value)
     n_lora = n_full = n_frozen = trainable = total = base_bytes = quantized = 0

@@ -2,7 +2,8 @@
 # Set up poetry (in .tools/) and the main env (.venv, Python 3.11) from poetry.lock.
 #   bash scripts/bootstrap.sh [poetry install options]   e.g. --with dev,docs
 #   bash scripts/bootstrap.sh -E cuda13                  accelerator jaxlib from the lock
-#                                                        (cuda12, cuda13, tpu; docs/gpu.md)
+#                                                        (cuda12, cuda13 or tpu: one of
+#                                                        them, never two; docs/gpu.md)
 #   source scripts/bootstrap.sh --with dev               also keeps $POETRY, $ROOT,
 #                                                        find_python and the env vars
 # Installs nothing outside the repo, so a fresh clone on a fresh machine works.
@@ -11,6 +12,37 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 POETRY_HOME_VENV="$ROOT/.tools/poetry"
 POETRY="$POETRY_HOME_VENV/bin/poetry"
+# JAX's accelerator plugins exclude each other: with two in one env (cuda12 and cuda13,
+# as `poetry install --all-extras` gives), `import jax; jax.devices()` segfaults loading
+# NVIDIA's libraries, even on a machine without a GPU. Poetry cannot declare extras
+# exclusive, so the bootstrap refuses to be asked for two, before it installs anything.
+ACCELERATOR_EXTRAS="cuda12 cuda13 tpu"
+check_extras() {  # $@: poetry install's arguments; fails if they ask for two accelerators
+  local arg extras="" take=0 all="" e found=""
+  for arg in "$@"; do
+    if [ "$take" = 1 ]; then extras="$extras $arg"; take=0; continue; fi
+    case "$arg" in
+      --all-extras) extras="$extras $ACCELERATOR_EXTRAS"; all=" (--all-extras asks for every extra)" ;;
+      -E | --extras) take=1 ;;
+      --extras=*) extras="$extras ${arg#--extras=}" ;;
+      -E*) extras="$extras ${arg#-E}" ;;
+    esac
+  done
+  for e in $extras; do  # one -E value may name several, space-separated (as poetry reads it)
+    case " $ACCELERATOR_EXTRAS " in *" $e "*)
+      case " $found " in *" $e "*) ;; *) found="$found $e" ;; esac ;;
+    esac
+  done
+  set -- $found
+  [ $# -le 1 ] && return 0
+  echo "bootstrap: refusing the accelerator extras $* together$all. JAX's plugins for" \
+    "them exclude each other: with two CUDA plugins in one env, jax.devices() segfaults" \
+    "loading NVIDIA's libraries, even on a machine without a GPU. Ask for one (-E cuda13," \
+    "-E cuda12 or -E tpu; add -E gguf for the GGUF writer); see docs/development.md." >&2
+  return 1
+}
+check_extras "$@" || exit 2
+
 # Pinned together: the mirror plugin only supports a range of poetry releases.
 POETRY_PINS="poetry==2.5.1 poetry-plugin-pypi-mirror==0.6.5"
 
@@ -53,6 +85,7 @@ export POETRY_KEYRING_ENABLED=false
 
 # Editable install of lorax itself needs both; until they exist, install deps only.
 poetry_install() {  # poetry install into the env poetry picks (see VIRTUAL_ENV below)
+  check_extras "$@" || return 1
   local root=()
   if [ ! -d "$ROOT/lorax" ] || [ ! -f "$ROOT/README.md" ]; then
     echo "bootstrap: lorax/ or README.md missing; installing dependencies only" >&2

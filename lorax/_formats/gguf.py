@@ -27,6 +27,8 @@ import ml_dtypes
 import numpy as np
 
 from .._files import read_gguf_header
+from .._spec import path_str
+from .._variants.dora import DoraWeight
 from ._export import Module, check_dtype, export_modules
 
 # Architectures whose q/k rows llama.cpp's converter reorders (LlamaModel.permute).
@@ -39,7 +41,7 @@ _DTYPES = ("float32", "float16", "bfloat16")
 
 def _gguf() -> Any:
     try:
-        import gguf
+        import gguf  # lazy: optional (the `gguf` extra), needed by save_gguf_lora only
     except ImportError:
         raise ImportError("save_gguf_lora needs the `gguf` package: pip install gguf "
                           "(or pip install 'jax-lorax[gguf]').") from None
@@ -160,9 +162,6 @@ def _refuse_overwriting_base(path: Any, base: Any) -> None:
 
 
 def _refuse_dora(lora_params: Any) -> None:
-    from .._spec import path_str
-    from .._variants.dora import DoraWeight
-
     dora = [path_str(p) for p, x in jax.tree_util.tree_flatten_with_path(
         lora_params, is_leaf=lambda x: isinstance(x, DoraWeight))[0] if isinstance(x, DoraWeight)]
     if dora:

@@ -15,6 +15,8 @@ import numpy as np
 
 from .._checks import check_bool
 from .._files import read_gguf_header
+from .._quant import _formats as F
+from .._quant._array import QuantizedArray
 
 # Tensors that load as plain arrays: ggml type name -> numpy dtype.
 _DENSE = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16, "F64": np.float64,
@@ -23,8 +25,6 @@ _DENSE = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16, "F64
 
 def _quant_types() -> dict[str, Any]:
     """GGUF type name -> lorax's `Format`, for the block types `QuantizedArray` holds."""
-    from .._quant import _formats as F
-
     return {f.name.upper(): f for f in F.FORMATS.values() if f.record is not None}
 
 
@@ -118,8 +118,6 @@ def _tensor(raw: np.ndarray, dims: tuple[int, ...], type_name: str, transpose: b
     if type_name in _DENSE:
         x = np.asarray(raw).view(_DENSE[type_name]).reshape(shape)
         return np.swapaxes(x, -1, -2) if transpose and x.ndim >= 2 else x
-    from .._quant._array import QuantizedArray
-
     fmt = _quant_types()[type_name]
     rows = raw.reshape(*shape[:-1], shape[-1] // fmt.block_size * fmt.record.size)
     if len(shape) < 2:  # QuantizedArray needs two axes

@@ -19,6 +19,9 @@ from jax import Array
 
 from .. import _engine
 from .._checks import is_int
+from .._quant import _formats as F
+from .._quant._array import QuantizedArray
+from .._quant._quantize import _block_axis
 from .._spec import LoraSpec
 
 _METHODS = ("default", "gaussian", "pissa", "pissa_niter_<n>", "olora", "loftq")
@@ -200,10 +203,6 @@ def init_factors(method: _Method, w: Any, ls: LoraSpec, scale: float, key: jax.A
 
 def _loftq(cfg: LoftQ, w: Any, w32: Array, ls: LoraSpec, scale: float, key: Array,
            dtype: Any, where: str) -> tuple[Any, Array, Array]:
-    from .._quant import _formats as F
-    from .._quant._array import QuantizedArray
-    from .._quant._quantize import _block_axis
-
     if cfg.qtype not in F.FORMATS:
         raise ValueError(
             f"init_lora: LoftQ qtype {cfg.qtype!r} at {where!r} is not a known format; "
