@@ -289,3 +289,22 @@ def out_sharding_of(x: Any) -> PartitionSpec | None:
     axes (else None)."""
     sharding = _explicit_type(x)
     return None if sharding is None else PartitionSpec(*sharding.spec)
+
+
+
+def split_last(x: Any, size: int) -> Any:
+    """`x` `(..., n)` reshaped to `(..., n // size, size)`. Under Explicit axes a split `n`
+    needs its result's type stated: the `n // size` blocks split as `n` was where the
+    devices divide them, else `n` gathered first (a block across two devices has no
+    layout; `QuantizedArray.with_sharding` then says which layouts do)."""
+    shape = (*x.shape[:-1], x.shape[-1] // size, size)
+    sharding = _explicit_type(x)
+    if sharding is None:
+        return x.reshape(shape)
+    spec = tuple(sharding.spec) + (None,) * (x.ndim - len(sharding.spec))
+    ways = int(np.prod([sharding.mesh.shape[a] for a in _mesh_axes(spec[-1])]))
+    if shape[-2] % ways:
+        spec = (*spec[:-1], None)
+        x = jax.sharding.reshard(x, NamedSharding(sharding.mesh, PartitionSpec(*spec)))
+    out = NamedSharding(sharding.mesh, PartitionSpec(*spec, None))
+    return jax.lax.reshape(x, shape, out_sharding=out)

@@ -225,6 +225,16 @@ def typed_params():
     return mesh, params, lp, spec, rng
 
 
+def test_quantize_under_explicit_axes_names_a_layout_that_splits_a_block():
+    mesh = jax.make_mesh((8,), ("tp",))
+    with jax.set_mesh(mesh):
+        w = reshard(jnp.ones((64, 32), jnp.float32), P("tp", None))  # 8 inputs a device
+        q = lorax.quantize({"o": w}, {"o": K}, "nf4", block_size=8)["o"]
+        assert jax.typeof(q.codes).sharding.spec == q.leaf_specs(P("tp", None))[0]
+        with pytest.raises(ValueError, match=r"'o'.*4 blocks of 16\) 8 ways.*divides 8"):
+            lorax.quantize({"o": w}, {"o": K}, "nf4", block_size=16)
+
+
 def test_gather_and_conv_under_explicit_axes(typed_params):
     """An embedding lookup and a convolution written for Explicit axes (their results'
     `out_sharding` stated, as JAX asks there) give the merged weights' values, typed as

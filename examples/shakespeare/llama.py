@@ -19,7 +19,8 @@ input is kept), and the loss goes over the vocabulary in chunks, so the full
 Two fields of `Config` choose how the step runs on a given device, never its values:
 `attention` (cuDNN's fused attention on a GPU, query chunks elsewhere) and `remat` (what
 the backward pass keeps: with memory to spare, `"none"` or `"dots"` is faster on a GPU).
-`gemma3.py` uses the same two. A third, `mlp_chunk`, is for long sequences (`mlp`).
+`gemma3.py` uses the same two. A third, `mlp_chunk`, is for long sequences (`mlp`). A
+fourth, `layout`, says where values live on a mesh of Explicit axes (`Layout`).
 """
 
 from __future__ import annotations
@@ -31,6 +32,44 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import PartitionSpec as P
+
+
+class Layout(NamedTuple):
+    """Where the step's values live on a mesh of Explicit axes (`jax.make_mesh`'s default:
+    sharding in types), where the model states what Auto axes leave to XLA's propagation.
+
+    `batch`: the mesh axis the windows are split along (None: whole on every device).
+    `tp`: the axis of Megatron's tensor parallelism (None: none): q, k, v, gate and up are
+    used split along their outputs, o and down along their inputs, and those two products'
+    partial sums land on the batch layout (`out_sharding`: an all-reduce). Every other
+    parameter is used whole. However a weight is stored (FSDP: split along any axis), each
+    layer regathers it to that layout where the layer starts (`reshard`: FSDP's
+    all-gather, a reduce-scatter of its gradient), so the gather is per layer under
+    `lax.scan` too. Under Auto axes leave `Config.layout` at None.
+    """
+    batch: str | None = None
+    tp: str | None = None
+
+    @property
+    def tokens(self) -> P:
+        """`(B, T, dim)` activations: split along the batch, whole along `tp`."""
+        return P(self.batch, None, None)
+
+    def used(self, name: str, x):
+        """Parameter `name` of a layer (or the model) resharded to where it is used."""
+        if name in COLUMN:
+            spec = P(None, self.tp)
+        elif name in ROW:
+            spec = P(self.tp, None)
+        elif name.endswith("_bias") and name[: -len("_bias")] in COLUMN:
+            spec = P(self.tp)
+        else:
+            spec = P()
+        return jax.sharding.reshard(x, spec)
+
+
+COLUMN, ROW = ("q", "k", "v", "gate", "up"), ("o", "down")  # split along out, along in
 
 
 class Config(NamedTuple):
@@ -54,6 +93,8 @@ class Config(NamedTuple):
     # How the step runs (see `mlp`): the MLP's `(tokens, hidden)` intermediates made this
     # many tokens at a time, for long sequences (None: all at once).
     mlp_chunk: int | None = None
+    # Where values live on a mesh of Explicit axes (see `Layout`; None: Auto axes, or none).
+    layout: Layout | None = None
 
     @property
     def hd(self) -> int:
@@ -146,8 +187,19 @@ def chunked_attention(q, k, v, *, window: int | None = None, scale: float | None
     n, size = t // QUERY_CHUNK, QUERY_CHUNK
     chunks = jnp.moveaxis(q.reshape(b, size, n, h, d), 2, 0)  # chunk i: queries i, i + n, ...
     one = jax.checkpoint(lambda c: attend(c[0], jnp.arange(size) * n + c[1]), prevent_cse=False)
-    out = lax.map(one, (chunks, jnp.arange(n)))  # (n, B, size, KV, G, d)
-    return jnp.moveaxis(out, 0, 2).reshape(b, t, h * d)
+    out = jnp.moveaxis(lax.map(one, (chunks, jnp.arange(n))), 0, 2)  # (B, size, n, KV, G, d)
+    return out.reshape(b, t, h * d, out_sharding=_typed_like(out, (0, None, 3)))
+
+
+def _typed_like(x, axes):
+    """On a mesh of Explicit axes, where a reshape JAX cannot type itself puts `x`'s
+    values: output axis `i` split as `x`'s axis `axes[i]` (None: whole). Else None."""
+    sharding = jax.typeof(x).sharding
+    kinds = getattr(getattr(sharding, "mesh", None), "axis_types", ())
+    if not any(kind == jax.sharding.AxisType.Explicit for kind in kinds):
+        return None
+    spec = tuple(sharding.spec) + (None,) * (x.ndim - len(sharding.spec))
+    return P(*[None if a is None else spec[a] for a in axes])
 
 
 def _attend(q, positions, *, k, v, window, scale):
@@ -178,24 +230,49 @@ def _heads(cfg: Config, h, layer, name: str, n: int):
     return rms_norm(y, layer[f"{name}_norm"], cfg.norm_eps) if f"{name}_norm" in layer else y
 
 
+def _used(cfg: Config, params: dict) -> dict:
+    """`params` as the step uses them: under `cfg.layout`, regathered (`Layout.used`)."""
+    if cfg.layout is None:
+        return params
+    return {name: cfg.layout.used(name, x) for name, x in params.items()}
+
+
+def _row_product(cfg: Config, x, w):
+    """`x @ w` for o and down: under tensor parallelism a contraction split along `tp`,
+    whose sum Explicit axes need told where to land."""
+    if cfg.layout is None or cfg.layout.tp is None:
+        return x @ w
+    return jnp.matmul(x, w, out_sharding=cfg.layout.tokens)
+
+
+def _lookup(cfg: Config, table, ids):
+    """Rows `ids` of `table`: an indexed gather, typed as the ids are split under a layout."""
+    if cfg.layout is None:
+        return table[ids]
+    return table.at[ids].get(out_sharding=P(*cfg.layout.tokens[:ids.ndim], None))
+
+
 def block(cfg: Config, x, layer):
+    layer = _used(cfg, layer)
     h = rms_norm(x, layer["attn_norm"], cfg.norm_eps)
     q = rope(_heads(cfg, h, layer, "q", cfg.n_heads), cfg.rope_theta, cfg.rope_scaling)
     k = rope(_heads(cfg, h, layer, "k", cfg.n_kv_heads), cfg.rope_theta, cfg.rope_scaling)
     v = _heads(cfg, h, layer, "v", cfg.n_kv_heads)
-    x = x + attention(q, k, v, window=cfg.window, implementation=cfg.attention) @ layer["o"]
+    a = attention(q, k, v, window=cfg.window, implementation=cfg.attention)
+    x = x + _row_product(cfg, a, layer["o"])
     h = rms_norm(x, layer["mlp_norm"], cfg.norm_eps)
-    return x + mlp(h, layer, cfg.mlp_chunk)
+    return x + mlp(h, layer, cfg.mlp_chunk, functools.partial(_row_product, cfg))
 
 
-def mlp(h, layer, chunk: int | None = None):
+def mlp(h, layer, chunk: int | None = None, down=jnp.matmul):
     """SwiGLU, `(B, T, dim)` in and out. `chunk`: `chunk` tokens at a time (a `lax.map`
     over the tokens, each chunk recomputed in the backward pass; a last, shorter chunk
     where `chunk` does not divide T), so the `(B, T, hidden)` gate and up outputs and
     their gradients, 3.5 times the width of everything else a layer makes, are never
-    whole: what a long sequence needs. The same values either way."""
+    whole: what a long sequence needs. The same values either way. `down(x, w)`: the
+    last product (`block` passes the row-parallel one)."""
     def one(h):
-        return (jax.nn.silu(h @ layer["gate"]) * (h @ layer["up"])) @ layer["down"]
+        return down(jax.nn.silu(h @ layer["gate"]) * (h @ layer["up"]), layer["down"])
 
     b, t, d = h.shape
     if not chunk or t <= chunk:
@@ -251,7 +328,7 @@ def hidden_states(cfg: Config, params, tokens):
     measured yet, and XLA:CPU loses remat's savings without the loop (docs/gpu.md,
     "Unrolled layers"). The same values either way.
     """
-    x = params["embed"][tokens]
+    x = _lookup(cfg, _used(cfg, {"embed": params["embed"]})["embed"], tokens)
     step = lambda x, layer: (block(cfg, x, layer), None)  # noqa: E731
     if isinstance(params["layers"], (list, tuple)):
         unrolled = remat(cfg, step)  # one wrapper: its traced layer is reused by every call
@@ -259,7 +336,7 @@ def hidden_states(cfg: Config, params, tokens):
             x, _ = unrolled(x, layer)
     else:
         x, _ = lax.scan(remat(cfg, step, in_loop=True), x, params["layers"])
-    return rms_norm(x, params["final_norm"], cfg.norm_eps)
+    return rms_norm(x, _used(cfg, {"n": params["final_norm"]})["n"], cfg.norm_eps)
 
 
 def unstack_layers(params):
@@ -301,14 +378,17 @@ def loss(cfg: Config, params, windows):
     h = hidden_states(cfg, params, windows[:, :-1])
     # An untied output layer (Llama 3 8B) is `(dim, vocab)`: its transpose, as the tied
     # embedding is laid out (inside `lorax.lora` a quantized one stays quantized).
-    out = params["lm_head"].T if "lm_head" in params else params["embed"]
-    return tied_loss(h, out, windows[:, 1:], cfg.vocab)
+    used = _used(cfg, {k: params[k] for k in ("lm_head", "embed") if k in params})
+    out = used["lm_head"].T if "lm_head" in used else used["embed"]
+    lookup = functools.partial(_lookup, cfg)
+    return tied_loss(h, out, windows[:, 1:], cfg.vocab, lookup)
 
 
-def tied_loss(h, embed, targets, vocab: int):
+def tied_loss(h, embed, targets, vocab: int, lookup=lambda table, ids: table[ids]):
     """Mean cross-entropy of hidden states `h` (B, T, dim) against `targets` (B, T) through
-    the tied `(vocab, dim)` output layer `embed`, `VOCAB_CHUNKS` slices of it at a time."""
-    target_logit = jnp.einsum("btd,btd->bt", h, embed[targets])
+    the tied `(vocab, dim)` output layer `embed`, `VOCAB_CHUNKS` slices of it at a time.
+    `lookup(table, ids)`: how rows are read (`loss` passes its layout's)."""
+    target_logit = jnp.einsum("btd,btd->bt", h, lookup(embed, targets))
     n = VOCAB_CHUNKS if vocab % VOCAB_CHUNKS == 0 else 1
     size = vocab // n
 
@@ -320,7 +400,8 @@ def tied_loss(h, embed, targets, vocab: int):
         s = s * jnp.exp(m - m_new) + jnp.exp(z - m_new[..., None]).sum(axis=-1)
         return (m_new, s), None
 
-    init = (jnp.full(targets.shape, -jnp.inf, h.dtype), jnp.zeros(targets.shape, h.dtype))
+    # Typed as the per-token values are (on a mesh of Explicit axes, split as the batch).
+    init = (jnp.full_like(target_logit, -jnp.inf), jnp.zeros_like(target_logit))
     (m, s), _ = lax.scan(chunk, init, jnp.arange(n))
     return (m + jnp.log(s) - target_logit).mean()
 

@@ -16,7 +16,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from .. import _engine
 from .._checks import check_bool
 from .._placement import on_device
-from .._sharding import explicitly_typed, weight_aval
+from .._sharding import explicitly_typed, split_last, weight_aval
 from . import _formats as F
 
 
@@ -546,7 +546,7 @@ def _quantize_leaves(w: Array, qtype: str, block_size: int, axis: int,
                      double_quant: bool, scale_dtype: Any = None) -> tuple[Any, ...]:
     fmt = F.FORMATS[qtype]
     st = jnp.moveaxis(w, axis, -1).astype(jnp.float32)
-    blocks = st.reshape(*st.shape[:-1], st.shape[-1] // block_size, block_size)
+    blocks = split_last(st, block_size)
     stored = jnp.dtype(fmt.scale_dtype if scale_dtype is None else scale_dtype)
     if fmt.native and stored != jnp.dtype(fmt.scale_dtype):
         # The codes are computed against the scales as stored, not as first computed.

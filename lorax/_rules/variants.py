@@ -27,6 +27,8 @@ from jax import Array, lax
 from jax.extend.core import primitives as _prims
 from jax.typing import ArrayLike
 
+from jax.sharding import PartitionSpec as P
+
 from .. import _engine
 from .._variants.adapted import Adapted, adapt, drop
 from .._variants.mixed import MixedWeight, gated_lora
@@ -394,10 +396,22 @@ def _layout_rule(prim: Any) -> None:
         bind = lambda lw: prim.bind(lw, **params)  # noqa: E731
         out = _engine.call(bind, ad.lw)
         if isinstance(out, LoraWeight):
-            return Adapted(out, ad.g, ad.key, ad.rate, ad.gate)
+            return Adapted(out, _moved_gain(prim, ad.g, params), ad.key, ad.rate, ad.gate)
         if ad.gate is not None:
             out = _engine.call(bind, gated_lora(ad.lw, ad.gate))
         return out if ad.g is None else out * ad.g.astype(out.dtype)
+
+
+def _moved_gain(prim: Any, g: Any, params: dict) -> Any:
+    """DoRA's per-output gain under `reshard`: moved with its weight (its summed, size-1
+    axes whole), as Explicit axes need for the product it scales. Under
+    `with_sharding_constraint` propagation places it."""
+    if g is None or prim is not reshard_p:
+        return g
+    dst = params["dst_sharding"]
+    spec = tuple(getattr(dst, "spec", dst)) + (None,) * g.ndim
+    spec = P(*(None if n == 1 else e for n, e in zip(g.shape, spec)))
+    return reshard_p.bind(g, **dict(params, dst_sharding=dst.update(spec=spec)))
 
 
 _LAYOUT_PRIMS = tuple(p for p in (sharding_constraint_p, reshard_p) if p is not None)

@@ -20,6 +20,7 @@ from jax import Array, lax
 from jax.typing import ArrayLike
 
 from .. import _engine
+from .._sharding import out_sharding_of
 from .._weight import FactorAxes, LoraWeight, _dense, _shape
 
 Side = Literal["a", "b"]
@@ -118,7 +119,7 @@ class DoraWeight(LoraWeight):
             raise ValueError(f"DoraWeight.from_lora: input_factor must be 'a' or 'b', got "
                              f"{input_factor!r}.")
         out_side: Side = "a" if input_factor == "b" else "b"
-        norm = _norm_jit(lw.w, lw.a, lw.b, scale=lw.scale, side=out_side, axes=lw.axes)
+        norm = _norm(lw.w, lw.a, lw.b, scale=lw.scale, side=out_side, axes=lw.axes)
         return cls(lw.w, lw.a, lw.b, norm.astype(lw.a.dtype), lw.alpha, m_axes=lw.m_axes)
 
     @property
@@ -181,8 +182,23 @@ def weight_norm(lw: LoraWeight, side: Side) -> Array:
     No gradient flows through it (DoRA treats it as a constant). A stacked quantized
     `w` is dequantized one batch slice at a time.
     """
-    return _norm_jit(lax.stop_gradient(lw.w), lax.stop_gradient(lw.a),
-                     lax.stop_gradient(lw.b), scale=lw.scale, side=side, axes=lw.axes)
+    return _norm(lax.stop_gradient(lw.w), lax.stop_gradient(lw.a),
+                 lax.stop_gradient(lw.b), scale=lw.scale, side=side, axes=lw.axes)
+
+
+def _norm(w: Any, a: Array, b: Array, *, scale: float, side: Side, axes: FactorAxes) -> Array:
+    """`_norm_impl`, compiled. Under Explicit mesh axes it runs as on an Auto mesh: its
+    contractions over a split input axis have no one result type there, and the norm
+    lands split as `w`'s output axes are (what propagation gives on an Auto mesh)."""
+    spec = out_sharding_of(w.aval() if _engine.is_value(w) else w)
+    if spec is None:
+        return _norm_jit(w, a, b, scale=scale, side=side, axes=axes)
+    summed = axes.m if side == "a" else axes.n
+    spec = tuple(spec) + (None,) * (len(w.shape) - len(spec))
+    out = jax.sharding.PartitionSpec(*(None if i in summed else e for i, e in enumerate(spec)))
+    return jax.sharding.auto_axes(
+        lambda w, a, b: _norm_jit(w, a, b, scale=scale, side=side, axes=axes),
+        out_sharding=out)(w, a, b)
 
 
 def _norm_impl(w: Any, a: Array, b: Array, *, scale: float, side: Side,
