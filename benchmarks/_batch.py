@@ -1,20 +1,37 @@
-"""The tokens every stack of `benchmarks.accelerator` trains on, the same for all of them
-(lorax, PyTorch + PEFT, PEFT + Liger-Kernel, Unsloth): NumPy only, so a PyTorch cell's
+"""What every stack of `benchmarks.accelerator` shares (lorax, PyTorch + PEFT, PEFT +
+Liger-Kernel, Unsloth): the model shapes and the tokens. NumPy only, so a PyTorch cell's
 process imports no JAX and a JAX cell's no torch.
 
 Each window is a random sequence of `period(seq)` tokens repeated, from a fixed seed: a
 batch with structure, so a step that learns shows it within a few steps (the loss falls
-from about ln(V) as the adapters pick up the few hundred tokens in use, then their
-repetition), where uniformly random tokens leave nothing to learn but the unigram
-distribution's flatness.
+from about ln(V) as the adapters pick up the few hundred tokens in use), where uniformly
+random tokens leave nothing to learn but the unigram distribution's flatness.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+# name: (layers, dim, hidden, heads, kv heads, seq): Llama 3.2-1B, 3-8B, 3-70B, and a
+# tiny one for smoke runs; a tied vocabulary of `vocab(name)` tokens.
+MODELS = {
+    "tiny": (2, 256, 512, 4, 2, 64),
+    "llama-3.2-1b": (16, 2048, 8192, 32, 8, 2048),
+    "llama-3-8b": (32, 4096, 14336, 32, 8, 2048),
+    "llama-3-70b": (80, 8192, 28672, 64, 8, 2048),
+}
+VOCAB = 128_256
 SEED = 52  # the issue that asked for it
 LOW = 4  # the first ids are special tokens in the Unsloth cells' tokenizer: never drawn
+# Every stack's adapters: rank 16 on the seven projections, scaled by alpha / rank = 1
+# (PEFT's `lora_alpha`; lorax's `alpha`, whose default of 1, lorax 0.3's, would scale
+# them by 1/16 and make the same steps learn 16 times slower).
+RANK = 16
+LORA_ALPHA = 16
+
+
+def vocab(model: str) -> int:
+    return 4096 if model == "tiny" else VOCAB
 
 
 def period(seq: int) -> int:

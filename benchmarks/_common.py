@@ -1,20 +1,19 @@
-"""The harness every benchmark uses: command line, timing rounds, paired ratios, results.
+"""The harness every benchmark runs on.
 
-A benchmark holds its models, its cells and the question it answers; this module holds
-the rest:
-
-- `parser(doc)`: `--quick` (smoke run), `--out DIR`, `--rounds N`, `--plot-only`;
-- `Step`: a jitted step threading its training state from call to call (`Timed`:
-  `measure(n)` times `n` back-to-back calls); `calibrate` makes the first call of every
-  runner and sets each cell's `n_inner`; `interleaved_rounds` measures every runner of
-  every cell once per round, in an order that rotates;
-- `paired`, `time_cols`, `ratio_cols`: ratios paired within a round, medians and
-  quartiles over rounds, under the CSV column names the docs read;
-- `Clock`: elapsed time, load at start and end, the log line;
-- `write_results`: `<name>.csv` (+ `<name>_rounds.csv`), `<name>.md` (the result first,
-  the machine and run in a collapsed note at the end) and `<name>.png`, plotted from the
-  CSV just written, so that `--plot-only` redraws the same plot without measuring;
-- plot helpers: `pyplot`, `ratio_axis`, `target_line`, `legend_below`, `save`.
+- the command line: `parser(doc)` (`--quick`, `--out DIR`, `--rounds N`, `--plot-only`,
+  `--models`) and `parse`;
+- runners and cells: `Step` threads a jitted step's training state from call to call,
+  `Call` calls a function (`measure(n)`: `n` back-to-back calls); `calibrate` makes every
+  runner's first call and sets each cell's `n_inner`; `interleaved_rounds` measures every
+  runner of every cell once a round, in an order that rotates (`measure_cells`: both);
+- paired ratios: `paired`, `time_cols`, `ratio_cols` (medians and quartiles over rounds);
+- compiled programs: `memory_gib` (XLA's memory analysis), `hlo_executions` (how often
+  each computation runs), `hlo_signature`, `hlo_bytes`, `cost`, `flops`;
+- results: `write_results` writes `<name>.csv` (+ `_rounds.csv`), `<name>.md` (the result
+  first, no title: the docs include it under their own heading; the machine and run in a
+  collapsed note at the end) and `<name>.png`, plotted from the CSV just written, so that
+  `--plot-only` redraws the same plot; `write_table` a table with no note;
+- plots for the docs' page width: `small_multiples`, `ratio_axis`, `target_line`, `finish`.
 """
 
 from __future__ import annotations
@@ -34,6 +33,8 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import jaxlib
+import optax
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
 
@@ -64,7 +65,6 @@ def machine() -> dict[str, str]:
         usable = len(os.sched_getaffinity(0))
     except AttributeError:
         usable = os.cpu_count() or 0
-    import jaxlib
     return {
         "cpu": cpu_model(),
         "cores": f"{usable} usable ({os.cpu_count()} online)",
@@ -76,16 +76,13 @@ def machine() -> dict[str, str]:
     }
 
 
-def machine_md(extra: dict[str, Any] | None = None) -> str:
-    rows = {**machine(), **(extra or {})}
-    return "\n".join(f"- **{k}**: {v}" for k, v in rows.items() if v != "")
-
-
 def machine_note(extra: dict[str, Any] | None = None) -> str:
     """The machine and run facts as a collapsed note (`<details>`: GitHub and the docs'
     `md_in_html` both render the list inside), for the end of a result file."""
+    rows = {**machine(), **(extra or {})}
     return ("<details markdown><summary>Machine and run</summary>\n\n"
-            + machine_md(extra) + "\n\n</details>")
+            + "\n".join(f"- **{k}**: {v}" for k, v in rows.items() if v != "")
+            + "\n\n</details>")
 
 
 class Clock:
@@ -126,13 +123,14 @@ def wait_quiet(limit: float, threshold: float, tag: str) -> str:
 # -- the command line --------------------------------------------------------------------------
 
 
-def parser(doc: str, rounds: bool = True, plot: bool = False,
-           models: str | None = None) -> argparse.ArgumentParser:
-    """The options every benchmark takes: `--quick`, `--out`, and `--rounds` (timed
-    benchmarks), `--plot-only` (those with a plot), `--models` (default `models`, for
-    those with several); the description is `doc`'s first line."""
+def parser(doc: str, rounds: bool = True, plot: bool = False, models: str | None = None,
+           quick: bool = True) -> argparse.ArgumentParser:
+    """The options every benchmark takes: `--out`, `--quick` (a smoke run), and `--rounds`
+    (timed benchmarks), `--plot-only` (those with a plot), `--models` (default `models`,
+    for those with several); the description is `doc`'s first line."""
     p = argparse.ArgumentParser(description=doc.strip().split("\n")[0])
-    p.add_argument("--quick", action="store_true", help="smoke run: tiny cells, few rounds")
+    if quick:
+        p.add_argument("--quick", action="store_true", help="smoke run: tiny cells, few rounds")
     p.add_argument("--out", default=None, help="output directory (default benchmarks/results)")
     if rounds:
         p.add_argument("--rounds", type=int, default=None, help="interleaved rounds")
@@ -289,14 +287,24 @@ class Cell:
 def train_step(loss: Callable, opt: Any, with_loss: bool = True) -> Callable:
     """`step(trainable, opt_state, *rest)`: the gradient of `loss(trainable, *rest)`, one
     optimizer update; returns `(loss, trainable, opt_state)` (or without the loss)."""
-    import optax
-
     def step(trainable, opt_state, *rest):
         value, grads = jax.value_and_grad(loss)(trainable, *rest)
         updates, opt_state = opt.update(grads, opt_state, trainable)
         new = optax.apply_updates(trainable, updates)
         return (value, new, opt_state) if with_loss else (new, opt_state)
     return step
+
+
+def train_runner(loss: Callable, trainable: Any, const: tuple, opt: Any = None,
+                 keyed: bool = False) -> tuple[Step, Any]:
+    """`train_step(loss, opt)` jitted with the training state donated (Adam at 1e-3 by
+    default) as a `Step` from `trainable`, and its compiled executable (for its memory)."""
+    opt = opt or optax.adam(1e-3)
+    step = jax.jit(train_step(loss, opt, with_loss=False), donate_argnums=(0, 1))
+    key = (jax.random.key(0),) if keyed else ()
+    compiled = step.lower(trainable, opt.init(trainable), *const, *key).compile()
+    state = (jax.tree.map(jax.numpy.copy, trainable), opt.init(trainable))
+    return Step(step, state, const, aux=False, keyed=keyed), compiled
 
 
 def n_inner(seconds: float, target: float, cap: int = 50) -> int:
@@ -437,6 +445,25 @@ def flops(jitted: Any, *args: Any) -> float:
     return float(cost(jitted.lower(*args).compile())["flops"])
 
 
+def memory_gib(m: Any) -> dict[str, float]:
+    """XLA's memory analysis of a compiled program in GiB: `args`, `temps`, `outputs`,
+    `aliased` (outputs in donated inputs' buffers), `peak` (what the program holds at
+    once: arguments + temporaries + outputs - aliased), `host_args`, `host_temps`, `host`."""
+    b = dict(args=m.argument_size_in_bytes, temps=m.temp_size_in_bytes,
+             outputs=m.output_size_in_bytes, aliased=m.alias_size_in_bytes,
+             host_args=getattr(m, "host_argument_size_in_bytes", 0),
+             host_temps=getattr(m, "host_temp_size_in_bytes", 0))
+    b["peak"] = b["args"] + b["temps"] + b["outputs"] - b["aliased"]
+    b["host"] = b["host_args"] + b["host_temps"]
+    return {k: v / 2**30 for k, v in b.items()}
+
+
+def bits(hlo_dtype: str) -> int:
+    """Bits of an HLO element type (`bf16`: 16, `s4`: 4; `pred`: a byte)."""
+    found = re.search(r"[0-9]+$", hlo_dtype)
+    return int(found.group()) if found else 8
+
+
 # -- results ------------------------------------------------------------------------------------
 
 
@@ -504,6 +531,21 @@ def write_md(path: Path, md: Sequence[str], facts: dict[str, Any] | None = None)
     print(f"[{path.stem}] wrote {path}", flush=True)
 
 
+def write_table(out: Path, name: str, rows: list[dict[str, Any]], text: str) -> None:
+    """`<name>.csv` and `<name>.md` (`text` as it is, no machine note: a compiled program's
+    table, the same on any machine)."""
+    write_csv(out / f"{name}.csv", rows)
+    (out / f"{name}.md").write_text(text)
+    print(text, flush=True)
+
+
+def column_table(rows: list[dict[str, Any]], columns: Sequence[tuple[str, str]]) -> str:
+    """A table of `(key, title)` columns, floats to 2 places (`compile_s`: 0)."""
+    return md_table([title for _, title in columns], (
+        [f"{r[k]:.{0 if k == 'compile_s' else 2}f}" if isinstance(r[k], float) else r[k]
+         for k, _ in columns] for r in rows))
+
+
 def replot(out: Path, name: str, plot: Callable[[list[dict[str, Any]], Path], None]) -> Path:
     """Draw `<name>.png` from `<name>.csv` in `out` (nothing is measured)."""
     if pyplot(name) is not None:
@@ -525,10 +567,10 @@ def pyplot(tag: str) -> Any:
     """`matplotlib.pyplot` on the Agg backend (with `matplotlib.ticker` loaded), or `None`
     with a note when matplotlib is not installed (the bench group has it)."""
     try:
-        import matplotlib
+        import matplotlib  # lazy: optional (the bench group), for the plots only
         matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        import matplotlib.ticker  # noqa: F401  (plt.matplotlib.ticker below)
+        import matplotlib.pyplot as plt  # lazy: after choosing the backend
+        import matplotlib.ticker  # noqa: F401  # lazy: (plt.matplotlib.ticker below)
     except ImportError:
         print(f"[{tag}] matplotlib not installed: no PNG (pip install matplotlib)", flush=True)
         return None

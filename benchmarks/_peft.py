@@ -3,7 +3,7 @@ one cell of `benchmarks.accelerator` (`peft:MODEL:BATCH:eager|compiled:on|off`).
 
     python -m benchmarks._peft MODEL [--batch B] [--steps N] [--compile] [--no-checkpointing]
 
-`transformers.LlamaForCausalLM` at `benchmarks.scale`'s shapes (tied 128,256-token
+`transformers.LlamaForCausalLM` at `benchmarks._batch.MODELS`' shapes (tied 128,256-token
 embedding), bf16 weights made on the device, PEFT's LoRA r16 on q/k/v/o/gate/up/down
 (PEFT's default float32 adapters), SDPA attention (the library's default), AdamW on the
 adapters, B windows of 2048 tokens (`benchmarks._batch`: the tokens every stack trains
@@ -21,29 +21,15 @@ import argparse
 import json
 import math
 import statistics
-import sys
 import time
-from pathlib import Path
 from typing import Any, Callable
 
 import peft
 import torch
 import transformers
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    __package__ = "benchmarks"
+from ._batch import LORA_ALPHA, MODELS, RANK, learning_windows, vocab  # (NumPy only: no JAX in this process)
 
-from ._batch import learning_windows  # noqa: E402  (NumPy only: no JAX in this process)
-
-# name: (layers, dim, hidden, heads, kv heads, seq), as benchmarks.scale.MODELS (kept apart:
-# this process imports no JAX, so the two frameworks never share the device).
-MODELS = {
-    "tiny": (2, 256, 512, 4, 2, 64),
-    "llama-3.2-1b": (16, 2048, 8192, 32, 8, 2048),
-    "llama-3-8b": (32, 4096, 14336, 32, 8, 2048),
-    "llama-3-70b": (80, 8192, 28672, 64, 8, 2048),
-}
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
@@ -51,12 +37,11 @@ def llama_config(model: str, **extra: Any) -> tuple[Any, int, int]:
     """`transformers.LlamaConfig` at `MODELS[model]`'s shapes (tied embedding), its vocabulary
     size and window length; `extra`: more config fields (token ids for a saved model)."""
     n, d, f, h, kv, seq = MODELS[model]
-    vocab = 4096 if model == "tiny" else 128_256
     cfg = transformers.LlamaConfig(
-        vocab_size=vocab, hidden_size=d, intermediate_size=f, num_hidden_layers=n,
+        vocab_size=vocab(model), hidden_size=d, intermediate_size=f, num_hidden_layers=n,
         num_attention_heads=h, num_key_value_heads=kv, max_position_embeddings=seq,
         rope_theta=5e5, rms_norm_eps=1e-5, tie_word_embeddings=True, **extra)
-    return cfg, vocab, seq
+    return cfg, vocab(model), seq
 
 
 def base_model(cfg: Any, device: str) -> Any:
@@ -78,7 +63,7 @@ def build(model: str, device: str, checkpointing: bool) -> tuple[Any, int, int]:
     if checkpointing:
         base.gradient_checkpointing_enable()
     base.config.use_cache = False
-    config = peft.LoraConfig(r=16, lora_alpha=16, lora_dropout=0.0, target_modules=TARGETS)
+    config = peft.LoraConfig(r=RANK, lora_alpha=LORA_ALPHA, lora_dropout=0.0, target_modules=TARGETS)
     return peft.get_peft_model(base, config), vocab, seq
 
 

@@ -35,17 +35,15 @@ import importlib.metadata
 import json
 import os
 import shutil
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    __package__ = "benchmarks"
+from ._batch import LORA_ALPHA, MODELS, RANK, vocab
 
-# Nothing from torch, transformers or peft at import: Unsloth must be imported before them.
+# Nothing from torch, transformers or peft at import: Unsloth must be imported before them
+# (every import of them below waits for that reason).
 QUANTS = ("16bit", "nf4")
 CHECKPOINTING = {"unsloth": "unsloth", "on": True, "off": False}
 OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
@@ -65,7 +63,7 @@ def versions(*names: str) -> dict[str, str]:
 
 
 def device_of() -> str:
-    import torch
+    import torch  # lazy: after unsloth
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
@@ -74,12 +72,12 @@ def device_of() -> str:
 
 def liger(model: str, batch: int, steps: int, compile_: bool, checkpointing: bool) -> dict:
     """One PEFT + Liger-Kernel cell (the module docstring)."""
-    from liger_kernel.transformers import apply_liger_kernel_to_llama
+    from liger_kernel.transformers import apply_liger_kernel_to_llama  # lazy: optional
     apply_liger_kernel_to_llama(rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
                                 fused_linear_cross_entropy=True)  # before the model is built
-    import torch
+    import torch  # lazy: after liger_kernel's patches
 
-    from . import _peft as P
+    from . import _peft as P  # lazy: imports torch
     device, t0 = device_of(), time.perf_counter()
     net, vocab, seq = P.build(model, device, checkpointing)
     params = [p for p in net.parameters() if p.requires_grad]
@@ -111,21 +109,18 @@ def default_model_dir(need_bytes: int = 0) -> Path:
 
 def model_bytes(model: str) -> int:
     """bf16 bytes of `model`'s weights (the tied embedding once, the norms aside)."""
-    from . import _peft as P  # (after `import unsloth` in an Unsloth cell)
-    n, d, f, h, kv, _ = P.MODELS[model]
-    vocab = P.llama_config(model)[1]
-    return 2 * (n * (2 * d * d + 2 * d * kv * (d // h) + 3 * d * f) + vocab * d)
+    n, d, f, h, kv, _ = MODELS[model]
+    return 2 * (n * (2 * d * d + 2 * d * kv * (d // h) + 3 * d * f) + vocab(model) * d)
 
 
-# `benchmarks._peft.MODELS`' names, known without importing torch.
-MODEL_NAMES = ("tiny", "llama-3.2-1b", "llama-3-8b", "llama-3-70b")
+MODEL_NAMES = tuple(MODELS)
 
 
 def tokenizer(vocab: int, seq: int) -> Any:
     """A word-level tokenizer of `vocab` ids made in code (nothing downloaded): the special
     tokens, then `t4`, `t5`, ... one per id."""
-    import transformers
-    from tokenizers import Tokenizer, models, pre_tokenizers
+    import transformers  # lazy: after unsloth
+    from tokenizers import Tokenizer, models, pre_tokenizers  # lazy: after unsloth
     words = {w: i for i, w in enumerate(SPECIAL)}
     words.update({f"t{i}": i for i in range(len(SPECIAL), vocab)})
     tok = Tokenizer(models.WordLevel(words, unk_token="<unk>"))
@@ -142,9 +137,9 @@ def saved_model(model: str, model_dir: Path, device: str) -> tuple[Path, float]:
     path = Path(model_dir) / f"{model}-random-bf16"
     if (path / "DONE").exists():
         return path, 0.0
-    import torch
+    import torch  # lazy: after unsloth
 
-    from . import _peft as P
+    from . import _peft as P  # lazy: imports torch
     t0 = time.perf_counter()
     shutil.rmtree(path, ignore_errors=True)
     cfg, vocab, seq = P.llama_config(model, pad_token_id=0, bos_token_id=1, eos_token_id=2)
@@ -162,12 +157,12 @@ def unsloth(model: str, batch: int, steps: int, quant: str, checkpointing: str,
             model_dir: Path | None) -> dict:
     """One Unsloth cell (the module docstring)."""
     t0 = time.perf_counter()
-    import unsloth as U  # first: before transformers, peft and trl
-    from unsloth import FastLanguageModel
+    import unsloth as U  # lazy: first, before transformers, peft and trl
+    from unsloth import FastLanguageModel  # lazy: (the same)
     import_s = time.perf_counter() - t0
-    import torch
+    import torch  # lazy: after unsloth
 
-    from . import _peft as P
+    from . import _peft as P  # lazy: imports torch
     device, t0 = device_of(), time.perf_counter()
     folder, save_s = saved_model(model, model_dir or default_model_dir(model_bytes(model)), device)
     _, vocab, seq = P.llama_config(model)
@@ -177,7 +172,7 @@ def unsloth(model: str, batch: int, steps: int, quant: str, checkpointing: str,
         load_in_16bit=quant == "16bit", local_files_only=True, use_exact_model_name=True,
         fix_tokenizer=False, use_gradient_checkpointing=gc)
     net = FastLanguageModel.get_peft_model(
-        net, r=16, lora_alpha=16, lora_dropout=0, bias="none", target_modules=P.TARGETS,
+        net, r=RANK, lora_alpha=LORA_ALPHA, lora_dropout=0, bias="none", target_modules=P.TARGETS,
         use_gradient_checkpointing=gc, random_state=0, max_seq_length=seq)
     FastLanguageModel.for_training(net)
     params = [p for p in net.parameters() if p.requires_grad]

@@ -1,62 +1,44 @@
 """Real training steps on whatever device is present: lorax against hand-written LoRA, full
-fine-tuning and PyTorch + PEFT, at Llama-3 shapes.
+fine-tuning and the PyTorch stacks, at Llama-3 shapes, each cell in a process of its own.
 
-The model is `benchmarks.scale`'s (the main job's plain-JAX Llama, `examples/shakespeare/
-llama.py`, at Llama 3.2-1B / 3-8B / 3-70B shapes, tied 128,256-token vocabulary; rank 16
-on q, k, v, o, gate, up, down; bf16 base and activations, float32 factors and Adam
-moments), its parameters random values generated on the device (a quantized base as
-random codes and small positive scales: nothing dense is made first). A cell is
+The model is `benchmarks._llama`'s (bf16 base and activations, float32 factors and Adam
+moments), its parameters random values made on the device (a quantized base as random
+codes and small positive scales: nothing dense is made first). A lorax cell is
 
-    MODEL:METHOD:BATCH:REMAT:ATTENTION[:LAYERS]     e.g. llama-3-8b:lora:1:none:auto
+    MODEL:METHOD:BATCH:REMAT:ATTENTION[:LAYERS][@NAME]    e.g. llama-3-8b:lora:1:none:auto
 
-- METHOD: `lora` (dense frozen base), `qlora-nf4` (double-quantized), `qlora-bnb_nf4`
-  (the same in bitsandbytes' layout, as `lorax.load_safetensors` reads Unsloth's
-  `*-bnb-4bit` checkpoints: its dynamic map as the second level), `qlora-int8`,
-  `qlora-int8-bf16` and `qlora-s4-bf16` (int8 or int4 codes, scales in bf16, compiled
-  with XLA's dequantization fusion on a GPU: the products read the codes),
-  `qlora-q4_k` (GGUF's blocks), `hand` (LoRA written by hand into the same model code),
-  `full` (every weight trained, bf16 Adam moments); `+host` after a `lora`/`qlora`
-  method (`qlora-nf4+host`): its frozen weights in host memory (`lorax.offload_frozen`,
-  made there, never whole on the device), each layer's moved in when it is read, on a
-  GPU with XLA's command buffers off (`--host-xla-flags`, `HOST_XLA_FLAGS`);
-- BATCH: windows of the model's 2048 tokens per step;
-- REMAT: `llama.Config.remat` (`layer`, `dots`, `none`);
-- ATTENTION: `llama.Config.attention` (`auto`: cuDNN's fused attention on a GPU);
-- LAYERS (optional): `scan` (the default: stacked layers under `lax.scan`) or `unrolled`
-  (a list of per-layer weights, the loop unrolled: no per-layer slice copied out of a
-  stack; `llama.hidden_states`);
-- `@NAME` (optional, last): XLA flags of `CELL_XLA_FLAGS` added for that cell, e.g.
-  `llama-3-8b:lora:1:layer:auto@cublas` (every product through cuBLAS).
+- METHOD: one of `METHODS` (`benchmarks._llama`'s: `qlora-bnb_nf4` is bitsandbytes'
+  layout, as `lorax.load_safetensors` reads Unsloth's `*-bnb-4bit` checkpoints), `hand`
+  (LoRA written by hand into the same model code) or `full` (bf16 Adam moments); `+host`
+  after a `lora`/`qlora` one: its frozen weights made in host memory
+  (`lorax.offload_frozen`), each layer's moved in when it is read, on a GPU with
+  `HOST_XLA_FLAGS` (`--host-xla-flags`);
+- BATCH: windows of the model's 2048 tokens; REMAT, ATTENTION: `llama.Config`'s (`auto`:
+  cuDNN's fused attention on a GPU); LAYERS: `scan` (stacked under `lax.scan`, the
+  default) or `unrolled` (per-layer weights: no slice copied out of a stack);
+- `@NAME`: XLA flags of `CELL_XLA_FLAGS` added for that cell (`@cublas`).
 
-`peft:MODEL:BATCH:COMPILE:CHECKPOINTING` (e.g. `peft:llama-3-8b:1:compiled:off`) is the same
-step in PyTorch + PEFT (`benchmarks/_peft.py`; needs torch, transformers and peft), and the
-PyTorch stacks users pick for speed (`benchmarks/_torch_anchors.py`, each needing its
-package too): `liger:MODEL:BATCH:eager|compiled:on|off` (PEFT + Liger-Kernel's fused
-kernels and linear cross-entropy) and `unsloth:MODEL:BATCH:16bit|nf4:unsloth|on|off`
-(Unsloth's LoRA on a bf16 base or QLoRA on bitsandbytes NF4; its own host-offloaded
-checkpointing, transformers', or none). `--cells anchors` is those beside lorax's cells
-they are compared with, most wanted first (`ANCHOR_CELLS`).
+The PyTorch cells: `peft:MODEL:BATCH:eager|compiled:on|off` (PyTorch + PEFT,
+`benchmarks/_peft.py`; the last field: gradient checkpointing), and the stacks users pick
+for speed (`benchmarks/_torch_anchors.py`): `liger:MODEL:BATCH:eager|compiled:on|off`
+(PEFT + Liger-Kernel) and `unsloth:MODEL:BATCH:16bit|nf4:unsloth|on|off` (Unsloth's LoRA
+or QLoRA; its host-offloaded checkpointing, transformers', or none). `--cells anchors`:
+those beside the lorax cells they are compared with (`ANCHOR_CELLS`).
 
-Every stack trains on the same tokens (`benchmarks._batch`: a random sequence repeated, so
-the loss falls within the timed steps) from a model whose norm weights are ones, and each
-row has its first and last loss (lorax's loss is bf16: steps of 1/16 near 12).
-
-Each cell runs in a process of its own, so the device's peak bytes in use
-(`memory_stats()["peak_bytes_in_use"]`, `torch.cuda.max_memory_allocated`) is that cell's
-(`XLA_PYTHON_CLIENT_PREALLOCATE=false` unless set). Reported per cell: median step time
-over the timed steps (after warm-up steps), tokens/s, MFU (model FLOPs per token below,
-over the bf16 matrix rate measured on the same device in the same run, and over the
-datasheet's where the device is known), peak device memory, XLA's `memory_analysis()`,
-compile time, the losses.
+Every stack trains on the same tokens (`benchmarks._batch`) from norm weights at one, and
+each row has its first and last loss (lorax's is bf16: steps of 1/16 near 12). A cell's
+process holds its own device peak (`peak_bytes_in_use`, `torch.cuda.max_memory_allocated`;
+`XLA_PYTHON_CLIENT_PREALLOCATE=false` unless set). Per cell: median step time after two
+warm-up steps, tokens/s, MFU (over the bf16 matrix rate measured in the same run, and
+over the datasheet's where the device is known), peak device memory, XLA's
+`memory_analysis()`, compile time. `--trace CELLS`: one step of those lorax cells profiled,
+the device's kernel time summed by kind into `accelerator_traces.json`.
 
 Model FLOPs per token, PaLM's accounting for a model whose weights are frozen: with N the
 parameters of the matrix products (the seven projections of every layer and the tied
 output layer; the embedding lookup is free), `4N + 12 L d T` (forward `2N + 4 L d T`,
-activation gradients `2N + 8 L d T`, attention counted over the whole `T x T` square), and
-`6N + 12 L d T` for full fine-tuning (the weight gradients too). Recomputation is not
-counted. `--trace CELLS` adds a profile of one step of those lorax cells and a summary
-of where the device's time went (kernels grouped: matrix products, attention, copies,
-the rest) in `accelerator_traces.json`.
+activation gradients `2N + 8 L d T`, attention over the whole `T x T` square), and
+`6N + 12 L d T` for full fine-tuning (the weight gradients too); recomputation not counted.
 
     python -m benchmarks.accelerator [--quick] [--cells C1,C2,...|pending|anchors] [--steps N]
                                      [--deadline SECONDS] [--trace CELLS|all] [--out DIR]
@@ -64,6 +46,7 @@ the rest) in `accelerator_traces.json`.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import statistics
@@ -74,11 +57,9 @@ import time
 from pathlib import Path
 from typing import Any, NamedTuple
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    __package__ = "benchmarks"
-
-from . import _common as C  # noqa: E402
+from . import _common as C
+from ._batch import MODELS, vocab
+from ._llama import LAYER_LOOPS
 
 GiB = 2**30
 ROOT = Path(__file__).resolve().parent.parent
@@ -142,7 +123,6 @@ QUICK_CELLS = ("tiny:lora:1:layer:auto", "tiny:qlora-nf4:1:none:auto", "tiny:han
                "tiny:lora:1:layer:auto@cublas", "peft:tiny:1:eager:off")
 
 
-LAYER_LOOPS = ("scan", "unrolled")  # `benchmarks.scale.LAYER_LOOPS`, without importing JAX here
 # XLA flags a cell adds by name (`CELL@NAME`), after the run's own `XLA_FLAGS`, in its
 # process: what the flags do to a step, measured beside the same cell without them.
 CELL_XLA_FLAGS = {
@@ -162,7 +142,7 @@ TORCH_STACKS = {
     "unsloth": (("16bit", "nf4"), ("unsloth", "on", "off"),
                 ("torch", "transformers", "peft", "unsloth", "unsloth_zoo", "trl")),
 }
-MODEL_NAMES = ("tiny", "llama-3.2-1b", "llama-3-8b", "llama-3-70b")  # `benchmarks.scale.MODELS`
+MODEL_NAMES = tuple(MODELS)
 
 
 def is_torch(text: str) -> bool:
@@ -225,18 +205,15 @@ class Cell(NamedTuple):
 def matmul_params(model: str) -> int:
     """N: the parameters of the matrix products (seven projections a layer, the tied
     output layer)."""
-    from . import scale as S
-    n, d, f, h, kv, _ = S.MODELS[model]
+    n, d, f, h, kv, _ = MODELS[model]
     hd = d // h
     per_layer = d * h * hd + 2 * d * kv * hd + h * hd * d + 3 * d * f
-    vocab = 4096 if model == "tiny" else S.VOCAB
-    return n * per_layer + vocab * d
+    return n * per_layer + vocab(model) * d
 
 
 def flops_per_token(model: str, method: str, seq: int) -> float:
     """Model FLOPs per token (the module docstring's accounting)."""
-    from . import scale as S
-    n_layers, d = S.MODELS[model][:2]
+    n_layers, d = MODELS[model][:2]
     n = matmul_params(model)
     return (6 if method == "full" else 4) * n + 12 * n_layers * d * seq
 
@@ -276,7 +253,6 @@ def _text(b: Any) -> str:
 def torch_missing(text: str = "peft:") -> str:
     """Which of a PyTorch cell's modules do not import here ('' if none; by default
     PyTorch + PEFT's)."""
-    import importlib.util
     stack = text.split(":")[0]
     needs = TORCH_STACKS[stack][2] + (("bitsandbytes",) if ":nf4:" in text else ())
     return ", ".join(m for m in needs if importlib.util.find_spec(m) is None)

@@ -31,13 +31,8 @@ and temporaries against the base's bytes.
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Any, Callable
-
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    __package__ = "benchmarks"
 
 import jax
 import jax.numpy as jnp
@@ -47,6 +42,7 @@ from jax import lax
 import lorax
 
 from . import _common as C
+from ._models import is_lora, mlp_apply, mlp_params
 
 N_ADAPTERS = 8
 DEFAULT = dict(dim=(512, 1024), rank=(8, 64), batch=64, rounds=7, llama_rounds=3,
@@ -57,31 +53,14 @@ MIXED = ("one", "mixed", "gather", "ragged", "loop")
 SIDE = ("together", "separate")
 
 
-def _is_lora(x: Any) -> bool:
-    return isinstance(x, lorax.LoraWeight)
-
-
-def mlp_params(d: int, layers: int = 4) -> dict:
-    keys = jax.random.split(jax.random.PRNGKey(0), layers)
-    return {f"l{i}": jax.random.normal(k, (d, d)) / d**0.5 for i, k in enumerate(keys)}
-
-
-def mlp(params: dict, x: jax.Array, dot: Callable = jnp.matmul) -> jax.Array:
-    n = len(params)
-    for i in range(n):
-        x = dot(x, params[f"l{i}"])
-        x = jax.nn.relu(x) if i < n - 1 else x
-    return x
-
-
 def make_adapters(params: dict, spec: Any, n: int) -> list:
     out = []
     for i in range(n):
         lp = lorax.init_lora(params, spec, jax.random.PRNGKey(100 + i))
         keys = iter(jax.random.split(jax.random.PRNGKey(200 + i), 1000))
         out.append(jax.tree.map(lambda w: lorax.LoraWeight(
-            w.w, w.a, 0.01 * jax.random.normal(next(keys), w.b.shape), w.alpha) if _is_lora(w) else w,
-            lp, is_leaf=_is_lora))
+            w.w, w.a, 0.01 * jax.random.normal(next(keys), w.b.shape), w.alpha) if is_lora(w) else w,
+            lp, is_leaf=is_lora))
     return out
 
 
@@ -89,7 +68,7 @@ def ragged_dot_mixed(sizes: jax.Array):
     """A `dot` for rows sorted by adapter: `x @ w` once, the low-rank part per adapter
     as two grouped matmuls over the stacked factors."""
     def dot(x: jax.Array, w: Any) -> jax.Array:
-        if not _is_lora(w):
+        if not is_lora(w):
             return x @ w
         base = x @ w.w
         return base + lax.ragged_dot(lax.ragged_dot(x, w.b, sizes) * w.scale, w.a, sizes)
@@ -117,7 +96,7 @@ def mixed_runners(apply: Callable, adapters: list, x: jax.Array, ids: jax.Array,
     runners["gather"] = C.Call(jax.jit(gather), stack, ids, x)
     if ragged_ok:
         def ragged(stack, x, order, sizes):
-            y = mlp(stack, x[order], ragged_dot_mixed(sizes))
+            y = mlp_apply(stack, x[order], ragged_dot_mixed(sizes))
             return jnp.zeros_like(y).at[order].set(y)
         runners["ragged"] = C.Call(jax.jit(ragged), stack, x, order, sizes)
 
@@ -145,11 +124,11 @@ def mlp_mixed_cell(d: int, rank: int, batch: int) -> MixedCell:
     adapters = make_adapters(params, {k: rank for k in params}, N_ADAPTERS)
     x = jax.random.normal(jax.random.PRNGKey(1), (batch, d))
     ids = jax.random.permutation(jax.random.PRNGKey(2), jnp.arange(batch) % N_ADAPTERS)
-    return MixedCell(f"mlp d{d} k{rank} b{batch}", mixed_runners(mlp, adapters, x, ids, True))
+    return MixedCell(f"mlp d{d} k{rank} b{batch}", mixed_runners(mlp_apply, adapters, x, ids, True))
 
 
 def llama_mixed_cell(batch: int, seq: int = 16, rank: int = 8, loaded: Any = None) -> MixedCell:
-    from examples.shakespeare import llama, train
+    from examples.shakespeare import llama, train  # lazy: the SmolLM2 cells only (--no-llama)
 
     params, config = loaded or load_llama()
     cfg = llama.Config(**config)
@@ -166,7 +145,7 @@ def llama_mixed_cell(batch: int, seq: int = 16, rank: int = 8, loaded: Any = Non
 
 
 def load_llama() -> tuple[Any, dict]:
-    from examples.shakespeare import gguf_loader
+    from examples.shakespeare import gguf_loader  # lazy: the SmolLM2 cells only
 
     params, config, _ = gguf_loader.load(quantized=False)
     return jax.tree.map(jnp.asarray, params), config
@@ -187,7 +166,7 @@ def side_cell(d: int, rank: int, batch: int, same: bool = False) -> tuple[MixedC
         xs, ys = jnp.broadcast_to(xs[0], xs.shape), jnp.broadcast_to(ys[0], ys.shape)
     lrs = jnp.geomspace(1e-4, 1e-2, N_ADAPTERS)
     opt = optax.inject_hyperparams(optax.adam)(learning_rate=1e-3)
-    f = lorax.lora(mlp, on_materialize="error")
+    f = lorax.lora(mlp_apply, on_materialize="error")
 
     step = C.train_step(lambda t, frozen, x, y: jnp.mean((f(lorax.combine(t, frozen), x) - y) ** 2),
                         opt, with_loss=False)
@@ -222,7 +201,7 @@ def side_cell(d: int, rank: int, batch: int, same: bool = False) -> tuple[MixedC
         def dot(x, name):
             b, a = fs[name]
             return x @ ws[int(name[1:])] + (x @ b) @ a * scale
-        return mlp({n: n for n in params}, x, dot)
+        return mlp_apply({n: n for n in params}, x, dot)
 
     hand_step = C.train_step(lambda f, x, y: jnp.mean((hand_mlp(f, x) - y) ** 2), opt,
                              with_loss=False)

@@ -1,68 +1,31 @@
 """Training-step speed on multi-axis transformer blocks: lorax vs hand-written LoRA, full FT, the floor.
 
 Models (written with no LoRA in mind; 4 layers, pre-norm RMSNorm, causal softmax
-attention, gelu MLP with hidden 4·d, d // 64 heads of 64, no biases; input x is a
-`(batch, seq, d)` float array, loss = mean square of the last layer's output):
+attention, gelu MLP of 4 d, heads of 64, no biases; loss the mean square of the output):
+`einsum` (`wq`/`wk`/`wv` `(d, heads, 64)` and `wo` `(heads, 64, d)` through multi-axis
+einsums), `2d` (the same decoder, the same values, with `(d, d)` kernels and reshapes) and
+`nnx` (Flax NNX, `_models.nnx_stack`, applied through `nnx.split`/`nnx.merge`). LoRA on q,
+k, v, o, up, down (rank r, alpha 2r), every LoRA implementation of a cell from the same
+factor values (`a` and `b` both N(0, 0.02^2)): their first-step losses must agree (rtol
+1e-4), else `MISMATCH` is printed and written into the markdown.
 
-- `einsum`: attention kernels as multi-axis einsums, `wq`/`wk`/`wv` `(d, heads, 64)`
-  through `einsum("btd,dhk->bthk")`, `wo` `(heads, 64, d)` through
-  `einsum("bthk,hkd->btd")`; MLP `up` `(d, 4d)`, `down` `(4d, d)` as `x @ w`.
-- `2d`: the same decoder with `(d, d)` attention kernels and reshapes to heads (the same
-  weight values as `einsum`, reshaped: the two compute the same function).
-- `nnx`: a Flax NNX stack (`nnx.MultiHeadAttention` with a causal mask, `nnx.Linear` MLP,
-  `nnx.RMSNorm`, `use_bias=False`), applied functionally through `nnx.split`/`nnx.merge`.
+Implementations (`optax.adam(1e-3)`, training state donated, frozen weights and the batch
+plain jit arguments): `full_ft`, `floor` (the frozen forward + backward to x only),
+`hand_einsum` (`einsum(x, sg(W)) + einsum(einsum(x, B) * s, A)`, B over W's input axes and
+the rank, A over the rank and W's output axes), `hand_2d` (the low-rank path as 2-D
+matmuls on `(batch*seq, features)`), `qwix` (nnx: `qwix.LoraProvider` +
+`qwix.apply_lora_to_model`, its `nnx.LoRAParam` state trained; skipped, with a note,
+without qwix) and `lorax` (`lorax.lora` on the partition path, factors laid out by
+`lorax.infer_layout`). The reference hand-written LoRA is `hand_einsum` (`qwix` for nnx).
 
-The plain-JAX models call `dense(layer, name, h)` for every projection; the plain model
-(used by full FT, the floor and lorax) has `dense = einsum/matmul with params[layer][name]`,
-the hand-written LoRA steps supply their own `dense`.
+Measured as `speed.py` measures, paired ratios to the floor, full FT and the reference. From
+each compiled executable (deterministic): XLA's `cost_analysis()` flops and bytes accessed,
+and in `compiled.as_text()` the `transpose(`, `copy(` and `dot(` instructions wherever they
+sit (a transpose fused into a loop fusion counts too; `copy-start`/`copy-done`, bitcasts
+and layouts folded into a dot do not) and the bytes the transposes and copies write: data
+moved only to change its layout. `block_stats(...)` returns those for one step, not run.
 
-LoRA on q, k, v, o, up, down (rank r, alpha 2r: scale 2); everything else frozen. All LoRA
-implementations of a cell start from the same factor values (`a` and `b` both
-N(0, 0.02²), so the low-rank path matters); their first-step losses must agree
-(rtol 1e-4), else `MISMATCH` is printed and written into the markdown.
-
-Implementations (all `optax.adam(1e-3)` on what they train; training state donated;
-frozen weights and the batch passed as plain jit arguments):
-
-- `full_ft`: gradient + Adam on every weight.
-- `floor`: the frozen model's forward + backward w.r.t. the input x only.
-- `hand_einsum` (einsum, 2d): `einsum(x, sg(W)) + einsum(einsum(x, B) * s, A)`, `B` over
-  W's input axes + rank, `A` over rank + W's output axes; for `2d` and the MLP plain
-  `x @ sg(W) + ((x @ B) * s) @ A`.
-- `hand_2d` (einsum, 2d): the base as in the model, the low-rank path as 2-D matmuls on
-  `(batch·seq, features)`: `((x.reshape(rows, K) @ B2) * s) @ A2`, reshaped back.
-- `qwix` (nnx): qwix's LoRA, `qwix.LoraProvider(module_path=..., rank=r, alpha=2r)` +
-  `qwix.apply_lora_to_model`; its `nnx.LoRAParam` state split off with `nnx.split` and
-  trained (the rest passed frozen). Skipped, with a note, when qwix is not installed.
-- `lorax`: the unmodified model in `lorax.lora(..., on_materialize="error")`, factors laid
-  out by `lorax.infer_layout` (wq: d -> k -> (h, hd); wo: (h, hd) -> k -> d),
-  `lorax.partition` outside the step and `lorax.combine` inside (as `lorax_partition` in
-  `_impls.py`).
-
-The reference "hand-written LoRA" of the ratios is `hand_einsum` for `einsum`/`2d` and
-`qwix` for `nnx`.
-
-Method (as `speed.py`): every step jitted, lowered and compiled once per cell (full FT and
-the floor shared by the cells that differ only in rank; the training state of an
-implementation shared by the cells that differ only in batch x seq), first call and one
-warm call, then interleaved rounds in one process (each round runs every implementation
-once per cell, rotating order; one measurement = `n_inner` back-to-back steps,
-`block_until_ready` at the end). Per round, paired ratios to the floor, to full FT and to
-the reference LoRA; medians over rounds.
-
-From each compiled executable (deterministic, no timing): XLA's `cost_analysis()`
-"flops" and "bytes accessed" (the whole step, fusions as XLA's CPU cost model counts
-them), and in `compiled.as_text()` (the optimized HLO module: the entry computation and
-every fused / called computation) the number of instructions matching
-`= <shape> transpose(` and `= <shape> copy(` (regex `= \\S+ transpose\\(` /
-`= \\S+ copy\\(`: each `transpose` / `copy` instruction once, wherever it sits, so a
-transpose fused into a loop fusion counts as well as a materialised one; not counted:
-`copy-start`/`copy-done`, `bitcast`s, layout changes folded into a `dot`, and the
-`transpose(` in metadata op names), the bytes those instructions write ("MiB moved by
-them": data moved only to change its layout), plus the `dot(` instructions.
-`block_stats(...)` returns those numbers for one step without running it.
-
-    python -m benchmarks.blocks                # default grid (3 models x 3 dims x 2 ranks x 2 shapes)
+    python -m benchmarks.blocks                # 3 models x 3 dims x 2 ranks x 2 shapes
     python -m benchmarks.blocks --quick        # one tiny cell per model, 2 rounds
     python -m benchmarks.blocks --stats-only --models einsum --dims 512 --ranks 8 --shapes 8x128
 """
@@ -71,10 +34,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib.util
 import math
 import re
-import sys
 import time
 import warnings
 from collections.abc import Callable
@@ -88,13 +49,10 @@ import numpy as np
 import optax
 from jax import lax
 
-if __package__ in (None, ""):  # `python benchmarks/blocks.py`
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    __package__ = "benchmarks"
+import lorax
 
-import lorax  # noqa: E402
-
-from . import _common as C  # noqa: E402
+from . import _common as C
+from ._models import HAVE_QWIX, is_lora, nnx_stack
 
 MODELS = ("einsum", "2d", "nnx")
 IMPLS = {
@@ -103,12 +61,6 @@ IMPLS = {
     "nnx": ("full_ft", "floor", "qwix", "lorax"),
 }
 REF = {"einsum": "hand_einsum", "2d": "hand_einsum", "nnx": "qwix"}
-HAVE_QWIX = importlib.util.find_spec("qwix") is not None
-
-
-def impls_for(model: str) -> tuple[str, ...]:
-    """The implementations run for `model` (`qwix` only when qwix is installed)."""
-    return tuple(n for n in IMPLS[model] if n != "qwix" or HAVE_QWIX)
 LORA_IMPLS = ("hand_einsum", "hand_2d", "qwix", "lorax")
 DESCRIPTIONS = {
     "full_ft": "full fine-tuning, Adam on every weight",
@@ -129,6 +81,12 @@ TARGETS_MD = (
     "**lorax <= 0.7x hand-written einsum LoRA on the einsum d512 r8 8x128 block**; "
     "**lorax <= 0.65x full FT**."
 )
+
+
+def impls_for(model: str) -> tuple[str, ...]:
+    """The implementations run for `model` (`qwix` only when qwix is installed)."""
+    return tuple(n for n in IMPLS[model] if n != "qwix" or HAVE_QWIX)
+
 
 # -- models -------------------------------------------------------------------------
 
@@ -211,39 +169,6 @@ def make_params(kind: str, d: int, layers: int, seed: int = 0) -> dict[str, Any]
     return {"layers": out}
 
 
-def _nnx_classes():
-    from flax import nnx
-
-    class Block(nnx.Module):
-        def __init__(self, d: int, rngs: nnx.Rngs):
-            self.norm1 = nnx.RMSNorm(d, rngs=rngs)
-            self.attn = nnx.MultiHeadAttention(num_heads=d // HEAD_DIM, in_features=d,
-                                               decode=False, use_bias=False, rngs=rngs)
-            self.norm2 = nnx.RMSNorm(d, rngs=rngs)
-            self.up = nnx.Linear(d, 4 * d, use_bias=False, rngs=rngs)
-            self.down = nnx.Linear(4 * d, d, use_bias=False, rngs=rngs)
-
-        def __call__(self, x):
-            x = x + self.attn(self.norm1(x), mask=nnx.make_causal_mask(x[..., 0]))
-            return x + self.down(nnx.gelu(self.up(self.norm2(x))))
-
-    class Stack(nnx.Module):
-        def __init__(self, d: int, layers: int, rngs: nnx.Rngs):
-            self.layers = nnx.List([Block(d, rngs) for _ in range(layers)])
-
-        def __call__(self, x):
-            for layer in self.layers:
-                x = layer(x)
-            return x
-
-    return Stack
-
-
-def make_nnx(d: int, layers: int, seed: int = 0) -> Any:
-    from flax import nnx
-    return _nnx_classes()(d, layers, nnx.Rngs(seed))
-
-
 def loss_value(y: jax.Array) -> jax.Array:
     return jnp.mean(y ** 2)
 
@@ -261,10 +186,6 @@ def _path(keypath: tuple) -> str:
         else:
             parts.append(str(k))
     return "/".join(parts)
-
-
-def _is_lora(x: Any) -> bool:
-    return isinstance(x, lorax.LoraWeight)
 
 
 @dataclasses.dataclass
@@ -302,8 +223,8 @@ class Builder:
         """`(apply, params, extra)`; for nnx `extra` is the module, params its state."""
         def make():
             if kind == "nnx":
-                from flax import nnx
-                model = make_nnx(d, self.layers)
+                from flax import nnx  # lazy: Flax loads in seconds, for the nnx cells only
+                model = nnx_stack(d, self.layers)
                 graphdef, state = nnx.split(model)
                 return (lambda p, x: nnx.merge(graphdef, p)(x)), state, model
             return plain_apply(kind), make_params(kind, d, self.layers), None
@@ -324,10 +245,10 @@ class Builder:
             spec = lorax.infer_layout(apply, params, spec, x)
             lp = lorax.init_lora(params, spec, jax.random.PRNGKey(2), stddev=FACTOR_STD,
                                  alpha=2.0 * rank)
-            leaves, treedef = jax.tree_util.tree_flatten(lp, is_leaf=_is_lora)
+            leaves, treedef = jax.tree_util.tree_flatten(lp, is_leaf=is_lora)
             out = []
             for i, leaf in enumerate(leaves):
-                if _is_lora(leaf):
+                if is_lora(leaf):
                     b = FACTOR_STD * jax.random.normal(jax.random.PRNGKey(1000 + i), leaf.b.shape)
                     leaf = eqx.tree_at(lambda l: l.b, leaf, b.astype(leaf.b.dtype))
                 out.append(leaf)
@@ -410,7 +331,7 @@ class Builder:
         if impl == "qwix":
             if kind != "nnx":
                 raise ValueError("qwix is for the nnx model")
-            from flax import nnx
+            from flax import nnx  # lazy: as above
             graphdef, lora_state, rest = self._get(("qwix", d, rank), lambda: self._qwix(
                 module, lp, d, rank))
 
@@ -429,8 +350,8 @@ class Builder:
     def _qwix(module: Any, lp: Any, d: int, rank: int) -> tuple:
         """qwix's LoRA model with lorax's factor values: qwix's `lora_a` (fan-in,
         `(K, k)`) is lorax's `b`, its `lora_b` (`(k, N)`) lorax's `a`."""
-        import qwix
-        from flax import nnx
+        import qwix  # lazy: optional (the bench group)
+        from flax import nnx  # lazy: as above
         provider = qwix.LoraProvider(module_path=r".*/(query|key|value|out|up|down)",
                                      rank=rank, alpha=2.0 * rank)
         with warnings.catch_warnings():
@@ -439,7 +360,7 @@ class Builder:
                                           rngs=nnx.Rngs(0))
         graphdef, lora_state, rest = nnx.split(qm, nnx.LoRAParam, ...)
         ours = {_path(p).removesuffix("/value"): w for p, w in
-                jax.tree_util.tree_flatten_with_path(lp, is_leaf=_is_lora)[0] if _is_lora(w)}
+                jax.tree_util.tree_flatten_with_path(lp, is_leaf=is_lora)[0] if is_lora(w)}
 
         def value(path, leaf):
             p = _path(path).removesuffix("/value")

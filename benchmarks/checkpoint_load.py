@@ -27,9 +27,6 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    __package__ = "benchmarks"
 
 import ml_dtypes
 import numpy as np
@@ -147,16 +144,15 @@ def rows_for(info: dict[str, Any], results: dict[str, dict[str, int]]) -> list[d
 
 
 def markdown(rows: list[dict[str, Any]], info: dict[str, Any]) -> list[str]:
-    md = [f"A {info['bytes'] / (1 << 30):.2f} GiB bf16 checkpoint in {info['shards']} shards "
+    return [f"A {info['bytes'] / (1 << 30):.2f} GiB bf16 checkpoint in {info['shards']} shards "
           f"({info['tensors']} tensors, the largest {info['largest'] / MIB:.0f} MiB). Peak "
           "resident memory of a fresh process; the bound is the result's bytes plus two of "
           "the largest tensors plus the interpreter.", "",
-          "| load | result MiB | interpreter MiB | peak RSS MiB | bound MiB | peak / bound |",
-          "|---|---|---|---|---|---|"]
-    for r in rows:
-        md.append(f"| {CASES[r['case']]} | {r['result_mib']:,.0f} | {r['interpreter_mib']:,.0f} "
-                  f"| {r['peak_rss_mib']:,.0f} | {r['bound_mib']:,.0f} | {r['peak_over_bound']:.2f} |")
-    return md
+          C.md_table(["load", "result MiB", "interpreter MiB", "peak RSS MiB", "bound MiB",
+                      "peak / bound"],
+                     [[CASES[r["case"]], f"{r['result_mib']:,.0f}", f"{r['interpreter_mib']:,.0f}",
+                       f"{r['peak_rss_mib']:,.0f}", f"{r['bound_mib']:,.0f}",
+                       f"{r['peak_over_bound']:.2f}"] for r in rows])]
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,7 +1,7 @@
 """The longest context one card trains: Llama-3-8B QLoRA, batch 1, compile-only search and
 the card's confirming step.
 
-The job is `benchmarks.gpu_compile`'s step (Llama-3-8B, QLoRA nf4 with double
+The job is `benchmarks._llama`'s step (Llama-3-8B, QLoRA nf4 with double
 quantization, rank 16 on the seven projections, bf16, Adam, one window) at long lengths,
 with the recipe for them (`RECIPE`, all `llama.Config` fields):
 
@@ -13,7 +13,7 @@ with the recipe for them (`RECIPE`, all `llama.Config` fields):
   (without it they are 70% of the step's temporaries).
 
 **The search** (`python -m benchmarks.context`) compiles the step for a card with no card
-here (`benchmarks.gpu_compile`: XLA's GPU compiler, deviceless; jax[cuda13]) and reads
+here (`benchmarks._cuda`: XLA's GPU compiler, deviceless; jax[cuda13]) and reads
 XLA's `memory_analysis()`: device bytes = arguments + temporaries + outputs - aliased
 (donated) outputs; the host bytes (the offloaded inputs: host temporaries, plus any
 host arguments) apart. A length fits a budget when its device bytes are at most the
@@ -44,21 +44,25 @@ a derived 32-layer step time and tokens/s at SEQ (marked `derived`).
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
 import re
-import sys
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    __package__ = "benchmarks"
+import jax
+import jax.numpy as jnp
+import optax
+
+import lorax
+
+from . import _common as C
+from . import _llama as L
+from ._cuda import compile_for, options
 
 GiB = 2**30
 MODEL, METHOD, FLAGS = "llama-3-8b", "qlora-nf4", "default"
@@ -139,8 +143,6 @@ def largest_buffer(hlo_text: str) -> tuple[str, float]:
     """The largest device array an instruction of a compiled program writes outside
     fusions (a buffer, not a value inside a kernel; host memory, `S(5)`, aside), and its
     GiB."""
-    from . import _common as C
-    from . import gpu_compile as G
     bodies, _ = C.hlo_executions(hlo_text)
     fused = set(re.findall(r"kind=k\w+, calls=(%[\w.-]+)", hlo_text))
     best = ("", 0.0)
@@ -151,7 +153,7 @@ def largest_buffer(hlo_text: str) -> tuple[str, float]:
                 r"^\s*(?:ROOT )?%\S+ = ([a-z]+[0-9]*)\[([0-9,]*)\](\{[^}]*\})?", body, re.M):
             if "S(5)" in layout:
                 continue
-            nbytes = math.prod(int(d) for d in dims.split(",") if d) * G._bits(dtype) / 8
+            nbytes = math.prod(int(d) for d in dims.split(",") if d) * C.bits(dtype) / 8
             if nbytes > best[1]:
                 best = (f"{dtype}[{dims}]", nbytes)
     return best[0], best[1] / GiB
@@ -160,26 +162,25 @@ def largest_buffer(hlo_text: str) -> tuple[str, float]:
 def measure(seq: int, n_layers: int = LAYERS, target: str = "h200",
             **config: Any) -> dict[str, Any]:
     """XLA's memory analysis of the step at `seq` tokens, compiled for `target` (no card)."""
-    from . import gpu_compile as G
     cfg = dict(RECIPE, **config)
     remat, attention = cfg.pop("remat"), cfg.pop("attention")
     t0 = time.perf_counter()
-    text = G.lowered_step(MODEL, METHOD, remat, "scan", attention, seq=seq, n_layers=n_layers,
+    text = L.lowered_step(MODEL, METHOD, remat, "scan", attention, seq=seq, n_layers=n_layers,
                           **cfg)
-    executable = G.compile_for(text, target, G.options(FLAGS))
+    executable = compile_for(text, target, options(FLAGS))
     compile_s = time.perf_counter() - t0
-    m = executable.get_compiled_memory_stats()
     hlo = executable.hlo_modules()[0].to_string()
     buffer, buffer_gib = largest_buffer(hlo)
-    device = (m.argument_size_in_bytes + m.temp_size_in_bytes + m.output_size_in_bytes
-              - m.alias_size_in_bytes)
     return dict(target=target, seq=seq, layers=n_layers, mlp_chunk=cfg.get("mlp_chunk"),
-                args_gib=m.argument_size_in_bytes / GiB, temps_gib=m.temp_size_in_bytes / GiB,
-                outputs_gib=m.output_size_in_bytes / GiB, aliased_gib=m.alias_size_in_bytes / GiB,
-                device_gib=device / GiB,
-                host_gib=(m.host_temp_size_in_bytes + m.host_argument_size_in_bytes) / GiB,
+                **_analysis(executable.get_compiled_memory_stats()),
                 largest_buffer=buffer, largest_buffer_gib=buffer_gib,
                 logits_whole=logits_whole(hlo, seq), compile_s=compile_s)
+
+
+def _analysis(memory: Any) -> dict[str, float]:
+    m = C.memory_gib(memory)
+    return dict(args_gib=m["args"], temps_gib=m["temps"], outputs_gib=m["outputs"],
+                aliased_gib=m["aliased"], device_gib=m["peak"], host_gib=m["host"])
 
 
 def run_search(budgets: dict[str, float], margin: float, step: int, log: Callable[[str], None],
@@ -224,11 +225,7 @@ COLUMNS = [("target", "card"), ("budget_gib", "budget GiB"), ("why", "compiled f
 
 
 def markdown(rows: list[dict[str, Any]], found: dict[str, int | None], margin: float) -> str:
-    from . import _common as C
-    table = C.md_table([t for _, t in COLUMNS], (
-        [f"{r[k]:.{0 if k == 'compile_s' else 2}f}" if isinstance(r[k], float) else r[k]
-         for k, _ in COLUMNS] for r in rows))
-    lines = [table, ""]
+    lines = [C.column_table(rows, COLUMNS), ""]
     for target, seq in found.items():
         match = [r for r in rows if r["target"] == target and r["seq"] == seq
                  and r["layers"] == LAYERS]
@@ -294,7 +291,6 @@ def emit(result: dict[str, Any]) -> None:
 
 
 def _memory(key: str) -> float:
-    import jax
     return (jax.devices()[0].memory_stats() or {}).get(key, 0) / GiB
 
 
@@ -313,48 +309,22 @@ def card_step(seq: int, n_layers: int, window: int | None, model: str = MODEL,
     `n_layers` layers of `model` at `seq` tokens on this device: random nf4 codes, norms at
     1, a repeated random sequence as the window (so the loss falls). Attention `auto`:
     cuDNN's on a GPU (as the search compiles it), query chunks elsewhere (a CPU test)."""
-    import jax
-    import jax.numpy as jnp
-    import optax
-
-    import lorax
-
-    from . import scale as S
-    from ._device_step import materialise
-    cfg = S.config(model, "auto", RECIPE["remat"])._replace(
+    cfg = L.config(model, "auto", RECIPE["remat"])._replace(
         n_layers=n_layers, mlp_chunk=RECIPE["mlp_chunk"], window=window)
-    abstract, spec = S.build(cfg, METHOD, jnp.bfloat16)
-    params = materialise(abstract, seed)
-    ones = lambda x: jnp.ones_like(x)  # noqa: E731
-    params = dict(params, final_norm=ones(params["final_norm"]), layers=dict(
-        params["layers"], attn_norm=ones(params["layers"]["attn_norm"]),
-        mlp_norm=ones(params["layers"]["mlp_norm"])))
-    trainable, frozen = lorax.partition(params, spec)
+    abstract, spec = L.build(cfg, METHOD, jnp.bfloat16)
+    trainable, frozen = lorax.partition(L.materialise(abstract, seed), spec)
     optimizer = optax.adam(1e-3)
     state = optimizer.init(trainable)
     period = jax.random.randint(jax.random.PRNGKey(seed + 1), (4096,), 0, cfg.vocab)
     windows = jnp.tile(period, -(-(seq + 1) // 4096))[None, : seq + 1]
-    apply = lorax.lora(lambda p, w: S.LLAMA.loss(cfg, p, w), on_materialize="allow")
-
-    def step(trainable: Any, frozen: Any, opt_state: Any, windows: Any) -> tuple:
-        value, grads = jax.value_and_grad(lambda t: apply(lorax.combine(t, frozen), windows))(
-            trainable)
-        updates, opt_state = optimizer.update(grads, opt_state, trainable)
-        return optax.apply_updates(trainable, updates), opt_state, value
-
     args = (trainable, frozen, state, windows)
     jax.block_until_ready(args)
     t0 = time.perf_counter()
-    compiled = jax.jit(step, donate_argnums=(0, 2)).lower(*args).compile()
+    compiled = jax.jit(L.adam_step(L.lora_loss(cfg), optimizer), donate_argnums=(0, 2)).lower(
+        *args).compile()
     compile_s = time.perf_counter() - t0
-    m = compiled.memory_analysis()
-    analysis = dict(args_gib=m.argument_size_in_bytes / GiB, temps_gib=m.temp_size_in_bytes / GiB,
-                    outputs_gib=m.output_size_in_bytes / GiB,
-                    aliased_gib=m.alias_size_in_bytes / GiB,
-                    device_gib=(m.argument_size_in_bytes + m.temp_size_in_bytes
-                                + m.output_size_in_bytes - m.alias_size_in_bytes) / GiB,
-                    host_gib=(m.host_temp_size_in_bytes + m.host_argument_size_in_bytes) / GiB,
-                    compile_s=round(compile_s, 1), attention=S.LLAMA._attention_implementation(
+    analysis = dict(_analysis(compiled.memory_analysis()), compile_s=round(compile_s, 1),
+                    attention=L.LLAMA._attention_implementation(
                         cfg.attention, jnp.zeros((1, 1, cfg.n_heads, cfg.hd), jnp.bfloat16)))
     return compiled, list(args), analysis
 
@@ -363,7 +333,6 @@ def run_steps(compiled: Any, args: list, steps: int, deadline: Deadline, out: di
               reserve: float = 5.0) -> None:
     """Up to `steps` steps, another only if the last one's time is left (and `reserve`);
     each step's time and loss written into `out` as it ends."""
-    import jax
     out.update(step_s=[], losses=[])
     for i in range(steps):
         if i and deadline.left() < out["step_s"][-1] + reserve:
@@ -417,7 +386,6 @@ def confirm(seq: int, n_layers: int, window: int, short_seq: int, steps: int,
     result: dict[str, Any] = dict(_t0=time.perf_counter(), seq=seq, layers=n_layers,
                                   window=window, phase="start")
     deadline = Deadline(seconds, result)
-    import jax
     result.update(device=jax.devices()[0].device_kind, jax=jax.__version__,
                   bytes_limit_gib=round(_memory("bytes_limit"), 2),
                   xla_flags=os.environ.get("XLA_FLAGS", ""))
@@ -457,12 +425,11 @@ def _confirm_phases(result: dict[str, Any], deadline: Deadline, seq: int, n_laye
 
 
 def main(argv: list[str] | None = None) -> Any:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = C.parser(__doc__, rounds=False, quick=False)
     p.add_argument("--budgets", default=BUDGETS, help="TARGET=GIB,...: the cards and the GiB "
                    "a process can use of each")
     p.add_argument("--margin", type=float, default=0.05, help="of the budget, kept free")
     p.add_argument("--step", type=int, default=2048, help="the lengths tried are multiples of it")
-    p.add_argument("--out", default=None)
     p.add_argument("--name", default="gpu_compile_context_h200")
     p.add_argument("--confirm", type=int, default=None, metavar="SEQ",
                    help="run the card's confirming step at SEQ tokens (needs a GPU)")
@@ -476,19 +443,12 @@ def main(argv: list[str] | None = None) -> Any:
     if args.confirm:
         return confirm(args.confirm, args.layers, args.window, args.short, args.steps,
                        args.seconds, args.model)
-    os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
-    from . import _common as C
     clock = C.Clock("context")
     budgets = {k: float(v) for k, v in (b.split("=") for b in args.budgets.split(","))}
     rows, found = run_search(budgets, args.margin, args.step, clock.log)
-    out = C.out_dir(args.out)
-    C.write_csv(out / f"{args.name}.csv", rows)
-    text = markdown(rows, found, args.margin)
-    import jax
-    (out / f"{args.name}.md").write_text(
-        text + f"\nCompiled by jax {jax.__version__}'s CUDA plugin, deviceless; "
-        f"{clock.elapsed:.0f} s.\n")
-    print(text)
+    C.write_table(C.out_dir(args.out), args.name, rows, markdown(rows, found, args.margin)
+                  + f"\nCompiled by jax {jax.__version__}'s CUDA plugin, deviceless; "
+                  f"{clock.elapsed:.0f} s.\n")
     return rows, found
 
 

@@ -19,22 +19,17 @@ taken in interleaved order -> `dispatch.csv`, `dispatch.md`.
 
 from __future__ import annotations
 
-import sys
 import time
-from pathlib import Path
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    __package__ = "benchmarks"
 
-import equinox as eqx  # noqa: E402
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import quax  # noqa: E402
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import quax
 
-import lorax  # noqa: E402
+import lorax
 
-from . import _common as C  # noqa: E402
+from . import _common as C
 
 
 class EquinoxLoraWeight(quax.ArrayValue):

@@ -1,160 +1,53 @@
 """Compile a training step for a GPU that is not here: XLA's GPU compiler, deviceless.
 
-With JAX's CUDA plugin installed (`-E cuda13`), JAX compiles for a GPU described by its
-properties (`jax.experimental.topologies`), no GPU present. The compiled program is the
-one a card would run, so this shows on a CPU machine what XLA:CPU cannot:
+With JAX's CUDA plugin installed (`-E cuda13`; `CUDA_VISIBLE_DEVICES=-1` keeps a present
+GPU out of it), JAX compiles for a GPU described by its properties, no GPU present: the
+program a card would run. Read from it, what XLA:CPU cannot show:
 
-- XLA's memory analysis from the GPU compiler (bf16 kept bf16; cuDNN's fused attention):
-  the device bytes a step's arguments and temporaries take, and its host arguments;
-- the layer loops of a step whose frozen codes are in host memory (`lorax.offload_frozen`):
-  how many host-resident stacks each `while` loop reads, and how many one-layer slices
-  of them it carries from one iteration to the next, moved to the device one iteration
-  ahead (XLA's pipelined host offloading: the next layer's codes cross the host link
-  while this layer computes). A loop that carries none moves each layer's codes in the
-  iteration that reads them, the computation waiting for the copy.
-- the dequantizations that write a dense weight: fusions outside the matrix products that
-  read 8-bit or 4-bit codes and write a 16-bit array of a million values or more (a
-  weight). None where XLA fuses the dequantization into the product that reads it
-  (`qlora-int8-bf16`, `qlora-s4-bf16` under `dequant`: the products read the codes).
-- the slices a step copies out of larger arrays (fusions computing a `dynamic-slice`:
-  under `lax.scan`, each layer's weights and saved activations), GiB a step, and the
-  TFLOP of its matrix products; both counted as often as their loops run, so
-  recomputation and any product XLA computes twice are in them.
+- XLA's device bytes (arguments, temporaries; bf16 kept bf16, cuDNN's attention) and
+  host arguments;
+- the layer loops of a step whose frozen codes are in host memory: how many host stacks
+  each `while` loop reads, and how many one-layer slices of them it carries from one
+  iteration to the next (XLA's pipelined host offloading: the next layer's codes cross
+  while this layer computes; a loop that carries none waits for each layer's copy);
+- the dequantizations that write a dense weight (none where XLA fuses them into the
+  product that reads the codes: `qlora-*-bf16` under `dequant`);
+- the GiB of slices a step copies out of larger arrays (under `lax.scan`, each layer's
+  weights and saved activations) and the TFLOP of its matrix products, each counted as
+  often as its loop runs (recomputation included).
 
-The step is `benchmarks.offload`'s (`benchmarks.scale`'s Llama Adam step, donated as
-`benchmarks.accelerator` donates it). A cell is `MODEL:METHOD:FLAGS[:REMAT[:LAYERS]]`:
-FLAGS `default` or XLA flags (compile options) joined by `+`: `pipelined`
-(`xla_gpu_enable_pipelined_host_offloading`), `dequant` (`benchmarks._device_step.
-DEQUANT_OPTIONS`: XLA's dequantization fusion and the two options it needs), `cublas`
-(`xla_gpu_enable_triton_gemm=False`: every product a cuBLAS call), METHOD a
-`benchmarks.scale` method, `+host` after it for the frozen weights in
-host memory (`lorax.offload_frozen`) and `+state` for Adam's state (`lorax.offload_state`),
-REMAT `llama.Config.remat` (`layer`, the default), LAYERS `scan` (the default)
-or `unrolled` (`llama.hidden_states`).
+A cell is `MODEL:METHOD:FLAGS[:REMAT[:LAYERS]]`: METHOD a `benchmarks._llama` method,
+`+host` after it for the frozen weights in host memory (`lorax.offload_frozen`) and
+`+state` for Adam's state (`lorax.offload_state`); FLAGS `default` or names of
+`benchmarks._cuda.FLAGS` joined by `+` (`pipelined`, `dequant`, `cublas`); REMAT
+`llama.Config.remat` (`layer`); LAYERS `scan` or `unrolled`.
 
     python -m benchmarks.gpu_compile [--target h200] [--memory-gib GIB] [--batch N]
                                      [--cells ...] [--out DIR] [--name NAME]
 
-`--memory-gib`: the card's memory as XLA plans for it (a 24 GB card's, say: XLA's scheduler
-starts fewer copies early when memory is short).
-
-Needs the CUDA plugin (`bash scripts/bootstrap.sh -E cuda13`); `CUDA_VISIBLE_DEVICES=-1`
-keeps a present GPU out of it. Compiled, not run: the card's peak memory and step time
-come from `python -m benchmarks.accelerator` on a card.
+`--memory-gib`: the card's memory as XLA plans for it (given less, its scheduler starts
+fewer copies early). Compiled, not run: a card's peak and step time come from
+`python -m benchmarks.accelerator`.
 """
 
 from __future__ import annotations
 
-import argparse
 import math
-import os
 import re
-import sys
 import time
 from collections import Counter
-from pathlib import Path
 from typing import Any, NamedTuple
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    __package__ = "benchmarks"
+import jax
 
-# The plugin checks the CUDA libraries' versions against a GPU's driver at start-up;
-# compiling needs no driver.
-os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
-
-import jax  # noqa: E402
-
-from . import _common as C  # noqa: E402
-from ._device_step import DEQUANT_OPTIONS  # noqa: E402
+from . import _common as C
+from ._cuda import TARGETS, compile_for, options
+from ._llama import lowered_step
 
 GiB = 2**30
-
-# XLA's description of each card (its `GpuTargetConfig`, as `nvidia-smi` and the CUDA
-# device query report it): what the compiler tunes for.
-_H100_SXM = dict(core_count=132, memory_bandwidth=3352320000000, clock_rate_ghz=1.98,
-                 device_memory_size=84929347584, description="NVIDIA H100 80GB HBM3")
-_H200 = dict(core_count=132, memory_bandwidth=4800000000000, clock_rate_ghz=1.98,
-             device_memory_size=150754820096, description="NVIDIA H200")
-TARGETS = {"h100": _H100_SXM, "h200": _H200}
-
-FLAGS = {"default": {}, "pipelined": {"xla_gpu_enable_pipelined_host_offloading": True},
-         # The products read int8 or int4 codes times scales in the weight's dtype
-         # (`lorax.quantize(..., scale_dtype=)`).
-         "dequant": DEQUANT_OPTIONS,
-         # Every product through cuBLAS (no Triton GEMM fusions): XLA's dynamic-slice
-         # fusion then lets a product read its layer's slice of a stacked weight in place.
-         "cublas": {"xla_gpu_enable_triton_gemm": False}}
-
-
-def options(flags: str) -> dict[str, Any]:
-    """The compile options of FLAGS (`default`, or names of `FLAGS` joined by `+`)."""
-    out: dict[str, Any] = {}
-    for name in flags.split("+"):
-        if name not in FLAGS:
-            raise ValueError(f"XLA flags {flags!r}: {name!r} is not one of {sorted(FLAGS)}")
-        out.update(FLAGS[name])
-    return out
-
 DEFAULT_CELLS = ("llama-3-8b:qlora-nf4:default,llama-3-8b:qlora-nf4+host:default,"
                  "llama-3-8b:qlora-nf4+host:pipelined,llama-3-70b:qlora-nf4:default,"
                  "llama-3-70b:qlora-nf4+host:default,llama-3-70b:qlora-nf4+host:pipelined")
-
-
-def target_config(target: str, memory_gib: float | None = None) -> str:
-    """The text `GpuTargetConfig` of a Hopper card in `TARGETS`, its memory `memory_gib`
-    if given (XLA's scheduler plans for the card's memory: given less, it starts fewer
-    copies early)."""
-    t = dict(TARGETS[target])
-    if memory_gib:
-        t["device_memory_size"] = int(memory_gib * GiB)
-    return f"""gpu_device_info {{
-  threads_per_block_limit: 1024 threads_per_warp: 32 shared_memory_per_block: 49152
-  shared_memory_per_core: 233472 threads_per_core_limit: 2048 core_count: {t['core_count']}
-  fpus_per_core: 128 block_dim_limit_x: 2147483647 block_dim_limit_y: 65535
-  block_dim_limit_z: 65535 memory_bandwidth: {t['memory_bandwidth']} l2_cache_size: 52428800
-  clock_rate_ghz: {t['clock_rate_ghz']} device_memory_size: {t['device_memory_size']}
-  shared_memory_per_block_optin: 232448 cuda_compute_capability {{ major: 9 }}
-  registers_per_core_limit: 65536 registers_per_block_limit: 65536
-}}
-platform_name: "CUDA"
-dnn_version_info {{ major: 9 minor: 8 }}
-runtime_version {{ major: 13 }}
-device_description_str: "{t['description']}"
-"""
-
-
-def gpu_devices(target: str, memory_gib: float | None = None, count: int = 1) -> list[Any]:
-    """`count` compile-only devices of `target` on one host (no GPU needed; the CUDA
-    plugin is)."""
-    from jax.experimental import topologies
-    try:
-        topology = topologies.get_topology_desc(
-            platform="cuda", topology=f"1x1x{count}",
-            target_config=target_config(target, memory_gib))
-    except Exception as e:  # (no plugin: "Unknown backend", or NotImplementedError)
-        raise RuntimeError("compiling for a GPU needs JAX's CUDA plugin "
-                           "(bash scripts/bootstrap.sh -E cuda13)") from e
-    return list(topology.devices)
-
-
-def compile_for(lowered_text: str, target: str, options: dict[str, Any],
-                memory_gib: float | None = None) -> Any:
-    """The XLA executable of a StableHLO module lowered for `cuda`, compiled for `target`
-    with `options` (XLA debug options, as `jax.jit(...).lower(...).compile(compiler_options=)`
-    takes them). JAX's compile-only client, reached through its private compiler module:
-    the one place here that needs one."""
-    from jax._src import compiler
-    from jax._src.interpreters import mlir
-    from jax._src.lib import xla_client as xc
-    from jax._src.lib.mlir import ir
-
-    devices = gpu_devices(target, memory_gib)
-    compile_options = compiler.get_compile_options(num_replicas=1, num_partitions=1)
-    compile_options.env_option_overrides = list(options.items())
-    with mlir.make_ir_context():
-        module = ir.Module.parse(lowered_text)
-        return devices[0].client.compile(module, xc.DeviceList(tuple(devices)), compile_options)
 
 
 # -- reading the compiled program ------------------------------------------------------------
@@ -182,7 +75,7 @@ def loops(hlo_text: str) -> list[Loop]:
             continue
         carried = [(dtype, dims) for dtype, dims, host in buffers
                    if not host and (dtype, dims) in stacks]
-        nbytes = sum(math.ceil(_bits(d) * math.prod(s) / 8) for d, s in carried)
+        nbytes = sum(math.ceil(C.bits(d) * math.prod(s) / 8) for d, s in carried)
         out.append(Loop(m.group(1), len(stacks), len(carried), nbytes))
     return out
 
@@ -208,11 +101,6 @@ def dense_writes(hlo_text: str, min_values: int = 2**20) -> int:
         if codes and not lookup and math.prod(int(d) for d in dims.split(",") if d) >= min_values:
             count += 1
     return count
-
-
-def _bits(hlo_dtype: str) -> int:
-    bits = re.search(r"[0-9]+$", hlo_dtype)
-    return int(bits.group()) if bits else 8  # (`pred`: a byte)
 
 
 # An instruction's name and (first) result shape: `%x = bf16[2,3]{1,0} op(` or `%x = (bf16[..`
@@ -242,7 +130,7 @@ def slice_copies_gib(hlo_text: str) -> float:
             else:
                 sliced = bool(root) and root.group(3) == "dynamic-slice"
             if sliced:
-                nbytes = math.prod(_shape(root.group(2))) * _bits(root.group(1)) / 8
+                nbytes = math.prod(_shape(root.group(2))) * C.bits(root.group(1)) / 8
                 total += runs.get(name, 0) * nbytes
     return total / GiB
 
@@ -273,27 +161,6 @@ def product_tflop(hlo_text: str) -> float:
     return sum(2 * math.prod(out) * k * n for (out, k), n in products(hlo_text).items()) / 1e12
 
 
-# -- the step ---------------------------------------------------------------------------------
-
-
-def lowered_step(model: str, method: str, remat: str = "layer", layers: str = "scan",
-                 attention: str = "cudnn", batch: int = 1, seq: int | None = None,
-                 **config: Any) -> str:
-    """`benchmarks.offload.abstract_step` for `model` and `method` (`+host`: the frozen
-    half in host memory; `+state`: Adam's state too, `lorax.offload_state`), `batch`
-    windows of `seq` tokens a step (`config`: other `llama.Config` fields), lowered for
-    `cuda`, the trainable parameters and optimizer state donated (as
-    `benchmarks.accelerator` donates them)."""
-    from . import offload as O
-    base, *where = method.split("+")
-    step, args = O.abstract_step(model, base, "host" in where, remat, layers, attention,
-                                 state_on_host="state" in where, batch=batch, seq=seq,
-                                 **config)
-    jitted = jax.jit(step, in_shardings=jax.tree.map(O._sharding, args), donate_argnums=(0, 2))
-    return jitted.trace(*jax.tree.map(O._typed, args)).lower(
-        lowering_platforms=("cuda",)).as_text()
-
-
 def measure(target: str, cell: str, memory_gib: float | None = None,
             batch: int = 1) -> dict[str, Any]:
     model, method, flags, *rest = cell.split(":")
@@ -302,18 +169,14 @@ def measure(target: str, cell: str, memory_gib: float | None = None,
     executable = compile_for(lowered_step(model, method, remat, layers, batch=batch), target,
                              options(flags), memory_gib)
     compile_s = time.perf_counter() - t0
-    m = executable.get_compiled_memory_stats()
+    m = C.memory_gib(executable.get_compiled_memory_stats())
     hlo = executable.hlo_modules()[0].to_string()
     found = loops(hlo)
-    memory_gib = memory_gib or TARGETS[target]["device_memory_size"] / GiB
-    return dict(target=target, memory_gib=memory_gib, model=model, method=method, flags=flags,
-                remat=remat, layers=layers, batch=batch, compile_s=compile_s,
-                device_args_gib=m.argument_size_in_bytes / GiB,
-                device_temps_gib=m.temp_size_in_bytes / GiB,
-                device_peak_gib=(m.argument_size_in_bytes + m.temp_size_in_bytes
-                                 + m.output_size_in_bytes - m.alias_size_in_bytes) / GiB,
-                host_args_gib=m.host_argument_size_in_bytes / GiB,
-                host_temps_gib=m.host_temp_size_in_bytes / GiB,
+    return dict(target=target, memory_gib=memory_gib or TARGETS[target]["device_memory_size"] / GiB,
+                model=model, method=method, flags=flags, remat=remat, layers=layers,
+                batch=batch, compile_s=compile_s, device_args_gib=m["args"],
+                device_temps_gib=m["temps"], device_peak_gib=m["peak"],
+                host_args_gib=m["host_args"], host_temps_gib=m["host_temps"],
                 host_loops=len(found),
                 prefetching_loops=sum(1 for lp in found if lp.carried_slices),
                 carried_mib=max((lp.carried_bytes for lp in found), default=0) / 2**20,
@@ -339,39 +202,29 @@ def markdown(rows: list[dict]) -> str:
     """The rows as a table; the host-memory columns only where a step has host arguments."""
     host = any(r["host_args_gib"] or r["host_temps_gib"] for r in rows)
     columns = [(k, t) for k, t in COLUMNS if host or k not in _HOST_COLUMNS]
-    head = "| " + " | ".join(title for _, title in columns) + " |"
-    lines = [head, "|" + "---|" * len(columns)]
-    for r in rows:
-        cells = [f"{r[k]:.{0 if k == 'compile_s' else 2}f}" if isinstance(r[k], float)
-                 else str(r[k]) for k, _ in columns]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
+    return C.column_table(rows, columns) + "\n"
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = C.parser(__doc__, rounds=False, quick=False)
     parser.add_argument("--target", default="h200", choices=sorted(TARGETS))
     parser.add_argument("--cells", default=DEFAULT_CELLS)
     parser.add_argument("--memory-gib", type=float, default=None,
                         help="the card's memory as XLA plans for it (default: the target's)")
     parser.add_argument("--batch", type=int, default=1,
                         help="windows of the model's sequence length a step (default 1)")
-    parser.add_argument("--out", default=None)
     parser.add_argument("--name", default="gpu_compile",
                         help="the results' file name, before the target's")
-    args = parser.parse_args(argv)
+    args = C.parse(parser, argv)
     rows = []
     for cell in args.cells.split(","):
         rows.append(measure(args.target, cell, args.memory_gib, args.batch))
         print(rows[-1], flush=True)
-    out = C.out_dir(args.out)
     name = f"{args.name}_{args.target}" + (f"_{args.memory_gib:g}g" if args.memory_gib else "")
-    C.write_csv(out / f"{name}.csv", rows)
     memory = f" given {args.memory_gib:g} GiB of memory" if args.memory_gib else ""
-    text = markdown(rows) + (f"\nCompiled for an {TARGETS[args.target]['description']}{memory} "
-                             f"by jax {jax.__version__}'s CUDA plugin, deviceless.\n")
-    (out / f"{name}.md").write_text(text)
-    print(text)
+    C.write_table(args.out, name, rows, markdown(rows) + (
+        f"\nCompiled for an {TARGETS[args.target]['description']}{memory} "
+        f"by jax {jax.__version__}'s CUDA plugin, deviceless.\n"))
     return rows
 
 

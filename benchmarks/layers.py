@@ -1,8 +1,8 @@
 """Stacked layers under `lax.scan` against the same layers unrolled, compile-only: what the
 compiled Llama step holds and how long it takes to compile.
 
-The step is `benchmarks.scale`'s (the main job's Llama, lorax LoRA or QLoRA nf4 with double
-quantization, rank 16 on the seven projections, bf16, one 2048-token window, Adam), its
+The step is `benchmarks._llama`'s (lorax LoRA or QLoRA nf4 with double quantization, rank
+16 on the seven projections, bf16, one 2048-token window, Adam), its
 layers either stacked (`(layers, ...)` arrays, one layer compiled inside a loop) or a list
 of per-layer arrays (`llama.unstack_layers`: the loop unrolled). Per remat choice:
 
@@ -25,33 +25,26 @@ compile holds and the step times come from `python -m benchmarks.accelerator`'s
 from __future__ import annotations
 
 import re
-import sys
 import time
-from pathlib import Path
 from typing import Any
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    __package__ = "benchmarks"
+import jax
+import jax.numpy as jnp
 
-from . import scale as S  # noqa: E402  (first: it sets the simulated devices up)
-from . import _common as C  # noqa: E402
+import lorax
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
+from . import _common as C
+from . import _llama as L
 
-import lorax  # noqa: E402
-
-GiB = 2**30
 _OP = re.compile(r"= \w+\[([\d,]*)\]\S* (slice|dynamic-slice|copy)\(")
 
 
 def layer_weight_shapes(cfg: Any, method: str) -> set[tuple[int, ...]]:
     """The shapes of one layer's frozen matrices (a quantized one's codes and scales)."""
-    params, _ = S.build(cfg._replace(n_layers=1), method, jnp.bfloat16, "unrolled")
+    params, _ = L.build(cfg._replace(n_layers=1), method, jnp.bfloat16, "unrolled")
     (layer,) = params["layers"]
     frozen = [x.w if isinstance(x, lorax.LoraWeight) else x
-              for k, x in layer.items() if k in S.TARGETS]
+              for k, x in layer.items() if k in L.TARGETS]
     return {tuple(a.shape) for a in jax.tree.leaves(frozen) if len(a.shape) >= 2}
 
 
@@ -67,14 +60,14 @@ def weight_slices(hlo_text: str, shapes: set[tuple[int, ...]]) -> int:
 
 
 def measure(model: str, method: str, remat: str, layers: str) -> dict[str, Any]:
-    cfg, seq = S.config(model, remat=remat), S.MODELS[model][-1]
     t0 = time.perf_counter()
-    compiled, _ = S.compile_step(cfg, method, jnp.bfloat16, None, seq, layers=layers)
+    step, args = L.abstract_step(model, method, False, remat, layers, attention="auto")
+    compiled = jax.jit(step, donate_argnums=(0, 2)).lower(*args).compile()
     seconds = time.perf_counter() - t0
-    m = compiled.memory_analysis()
-    return dict(model=model, method=method, remat=remat, layers=layers,
-                args_gib=m.argument_size_in_bytes / GiB, temps_gib=m.temp_size_in_bytes / GiB,
-                weight_slices=weight_slices(compiled.as_text(), layer_weight_shapes(cfg, method)),
+    m = C.memory_gib(compiled.memory_analysis())
+    shapes = layer_weight_shapes(L.config(model, remat=remat), method)
+    return dict(model=model, method=method, remat=remat, layers=layers, args_gib=m["args"],
+                temps_gib=m["temps"], weight_slices=weight_slices(compiled.as_text(), shapes),
                 compile_s=seconds, platform=jax.default_backend())
 
 
@@ -104,7 +97,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     for model in models:
         for method in args.methods.split(","):
             for remat in args.remats.split(","):
-                for layers in S.LAYER_LOOPS:
+                for layers in L.LAYER_LOOPS:
                     rows.append(row := measure(model, method, remat, layers))
                     print(f"[layers] {model} {method} {remat} {layers}: temps "
                           f"{row['temps_gib']:.2f} GiB, {row['weight_slices']} weight slices "

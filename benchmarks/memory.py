@@ -1,6 +1,6 @@
 """Compiled memory of each training step: XLA's `memory_analysis()`, compile only.
 
-For every implementation (see `benchmarks/_impls.py`), undonated and donated (training
+For every implementation (see `benchmarks/_models.py`), undonated and donated (training
 state donated), on abstract inputs (`jax.ShapeDtypeStruct`: nothing is allocated or run):
 
 - argument / output / alias / temp bytes from the compiled executable, and
@@ -30,19 +30,16 @@ from __future__ import annotations
 
 import argparse
 import re
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import jax
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    __package__ = "benchmarks"
+import lorax
 
-from . import _common as C  # noqa: E402
-from . import _impls as I  # noqa: E402
+from . import _common as C
+from . import _models as M
 
 MiB = 2**20
 TUPLE_SLACK = 1024  # bytes: XLA's output tuple table, 8 bytes per output leaf
@@ -51,13 +48,13 @@ ISSUE_SEED = {("hand_lora", False): 355.5, ("hand_lora", True): 323.0,
               ("lorax_wrap", False): 611.5}
 
 
-def cases(quick: bool) -> dict[str, tuple[I.Model, int]]:
+def cases(quick: bool) -> dict[str, tuple[M.Model, int]]:
     if quick:
-        return {"mlp4": (I.mlp(16, 128), 8)}
+        return {"mlp4": (M.mlp(16, 128), 8)}
     return {
-        "seed": (I.mlp(8, 1024, layers=1, in_dim=65536), 64),
-        "mlp4": (I.mlp(256, 1024), 8),
-        "attn": (I.attention(8, 256, 512), 8),
+        "seed": (M.mlp(8, 1024, layers=1, in_dim=65536), 64),
+        "mlp4": (M.mlp(256, 1024), 8),
+        "attn": (M.attention(8, 256, 512), 8),
     }
 
 
@@ -81,9 +78,9 @@ def w_shaped_ops(hlo: str, shapes: set[tuple[int, ...]]) -> list[str]:
     return found
 
 
-def analyse(case: str, model: I.Model, rank: int, impl: str, donate: bool) -> dict[str, Any]:
-    w, x = I.make_weights(model, abstract=True), I.make_x(model, abstract=True)
-    b = I.build(impl, model, w, x, rank=rank, donate=donate, abstract=True)
+def analyse(case: str, model: M.Model, rank: int, impl: str, donate: bool) -> dict[str, Any]:
+    w, x = M.make_weights(model, abstract=True), M.make_x(model, abstract=True)
+    b = M.build(impl, model, w, x, rank=rank, donate=donate, abstract=True)
     t0 = time.perf_counter()
     compiled = b.jit().lower(*b.args).compile()
     t_compile = time.perf_counter() - t0
@@ -91,14 +88,14 @@ def analyse(case: str, model: I.Model, rank: int, impl: str, donate: bool) -> di
     arg, out, alias, temp = (m.argument_size_in_bytes, m.output_size_in_bytes,
                              m.alias_size_in_bytes, m.temp_size_in_bytes)
     lora_shapes = {model.shapes[n] for n in model.lora_names}
-    w_bytes = max(I.nbytes(w[n]) for n in model.lora_names)
+    w_bytes = max(M.nbytes(w[n]) for n in model.lora_names)
     ops = w_shaped_ops(compiled.as_text(), lora_shapes | {s[::-1] for s in lora_shapes})
     grads = jax.eval_shape(jax.grad(b.loss), *b.loss_args)
     outs = jax.tree_util.tree_leaves(jax.eval_shape(b.fn, *b.args))
-    biggest_out = max(I.nbytes(o) for o in outs)
+    biggest_out = max(M.nbytes(o) for o in outs)
     trainable = b.state[0] if b.state else None
     if impl == "lorax_wrap":
-        trainable = I.lorax.partition(trainable, I.spec_for(model, rank))[0]
+        trainable = lorax.partition(trainable, M.spec_for(model, rank))[0]
     return dict(
         case=case, impl=impl, donated=donate if b.state else "n/a",
         argument_mib=arg / MiB, output_mib=out / MiB, alias_mib=alias / MiB, temp_mib=temp / MiB,
@@ -109,9 +106,9 @@ def analyse(case: str, model: I.Model, rank: int, impl: str, donate: bool) -> di
         largest_output_mib=biggest_out / MiB,
         temp_ge_w=temp >= w_bytes, w_shaped_ops=len(ops),
         w_shaped_opcodes=" ".join(sorted(set(ops))),
-        grad_mib=I.nbytes(grads) / MiB,
-        trainable_mib=(I.nbytes(trainable) / MiB) if trainable is not None else 0.0,
-        opt_state_mib=(I.nbytes(b.state[1]) / MiB) if len(b.state) > 1 else 0.0,
+        grad_mib=M.nbytes(grads) / MiB,
+        trainable_mib=(M.nbytes(trainable) / MiB) if trainable is not None else 0.0,
+        opt_state_mib=(M.nbytes(b.state[1]) / MiB) if len(b.state) > 1 else 0.0,
         issue_mib=ISSUE_SEED.get((impl, donate), "") if case == "seed" else "",
         total_bytes=arg + out - alias + temp, temp_bytes=temp, out_minus_alias_bytes=out - alias,
         n_outputs=len(outs),
@@ -121,7 +118,7 @@ def analyse(case: str, model: I.Model, rank: int, impl: str, donate: bool) -> di
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     p = C.parser(__doc__, rounds=False)
-    p.add_argument("--impls", default=",".join(I.IMPLS))
+    p.add_argument("--impls", default=",".join(M.IMPLS))
     a = p.parse_args(argv)
     a.impls = [i for i in a.impls.split(",") if i]
     return a

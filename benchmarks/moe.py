@@ -26,13 +26,8 @@ Memory: XLA's compiled `memory_analysis()` temporaries, in units of one expert s
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Any, Callable
-
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    __package__ = "benchmarks"
 
 import jax
 import jax.numpy as jnp
@@ -42,6 +37,7 @@ from jax import lax
 import lorax
 
 from . import _common as C
+from ._models import nonzero_b
 
 EXPERT_WEIGHTS = ("gate", "up", "down")
 IMPLS = ("lorax", "hand", "full", "floor")
@@ -125,10 +121,7 @@ def build(impl: str, d: int, rank: int, tokens: int, experts: int) -> tuple[C.St
     opt = optax.adam(1e-3)
     if impl in ("lorax", "hand"):
         spec = moe_spec(params, rank)
-        lp = lorax.init_lora(params, spec, jax.random.PRNGKey(2), alpha=2.0 * rank)
-        lp = jax.tree.map(lambda w: lorax.LoraWeight(w.w, w.a, jnp.full_like(w.b, 0.01), w.alpha)
-                          if isinstance(w, lorax.LoraWeight) else w, lp,
-                          is_leaf=lambda w: isinstance(w, lorax.LoraWeight))
+        lp = nonzero_b(lorax.init_lora(params, spec, jax.random.PRNGKey(2), alpha=2.0 * rank))
         trainable, frozen = lorax.partition(lp, spec)
         if impl == "lorax":
             fn = lorax.lora(moe_mlp, on_materialize="error")
@@ -145,11 +138,7 @@ def build(impl: str, d: int, rank: int, tokens: int, experts: int) -> tuple[C.St
 
     if impl == "floor":
         opt = optax.sgd(1e-3)  # x - 1e-3 * grad: the input gradient is all the floor makes
-    step = jax.jit(C.train_step(loss, opt, with_loss=False), donate_argnums=(0, 1))
-    opt_state = opt.init(trainable)
-    compiled = step.lower(trainable, opt_state, frozen, x).compile()
-    state = (jax.tree.map(jnp.copy, trainable), opt_state)
-    return C.Step(step, state, (frozen, x), aux=False), compiled
+    return C.train_runner(loss, trainable, (frozen, x), opt)
 
 
 class Cell:

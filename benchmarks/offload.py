@@ -1,21 +1,14 @@
 """Host offload at Llama shapes, compile-only: where a QLoRA step keeps its frozen codes and
 where it moves them, read from the step exported for `cuda` (no GPU needed).
 
-The step is `benchmarks.scale`'s Llama Adam step (QLoRA nf4 with double quantization, rank
-16 on the seven projections, bf16, per-layer remat, one 2048-token window), its frozen
-weights placed in host memory by `lorax.offload_frozen`. From the exported module:
-
-- the step's arguments in host and in device memory (GiB);
-- every move to the device (`annotate_device_placement`): inside a loop body or not, and
-  the bytes it moves. A layer's codes moved inside the layer loop are what streaming
-  means; a move outside any loop, or one as large as a whole stack, is the whole stack
-  crossing at once;
-- how many times a step moves all of the layers' codes (the bytes of the in-loop moves
-  of a layer's slice, times the layers, over the stacks' bytes): once in the forward
-  pass and once in the backward pass, whose per-layer recomputation reads the same moves.
-
-The card's figures (peak device memory, step time against the all-on-device step) come
-from `python -m benchmarks.accelerator` with `+host` methods, on a card.
+The step is `benchmarks._llama`'s (QLoRA nf4 with double quantization, bf16, per-layer
+remat, one 2048-token window), its frozen weights placed in host memory by
+`lorax.offload_frozen`. From the exported module: the step's arguments in host and in
+device memory; every move to the device (`annotate_device_placement`), inside a loop body
+or not, and its bytes (a layer's codes moved inside the layer loop is streaming; a move
+outside any loop, or one as large as a stack, is the whole stack crossing at once); and
+how many times a step moves every layer's codes (once forward, once backward, whose
+per-layer recomputation reads the same moves).
 
     python -m benchmarks.offload [--models llama-3-8b,llama-3-70b] [--out DIR] [--quick]
     python -m benchmarks.offload --check    # host codes against on-device codes: the values
@@ -26,26 +19,21 @@ gradients and updated factors (a card's run checks XLA's GPU flags with it: `scr
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
-import sys
-from collections.abc import Callable
-from pathlib import Path
 from typing import Any, NamedTuple
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    __package__ = "benchmarks"
+import jax
+import jax.numpy as jnp
+import optax
+from jax._src.interpreters import mlir as jmlir
+from jax._src.lib.mlir import ir
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import optax  # noqa: E402
+import lorax
+from lorax import _engine
 
-import lorax  # noqa: E402
-from lorax import _engine, _placement  # noqa: E402
-
-from . import _common as C  # noqa: E402
+from . import _common as C
+from . import _llama as L
 
 GiB = 2**30
 # `--check`: float32 values of the same arithmetic. Kernels a GPU compiler picks per
@@ -76,7 +64,6 @@ _BYTES = {"i1": 1, "ui8": 1, "i8": 1, "ui16": 2, "i16": 2, "bf16": 2, "f16": 2, 
 
 
 def _tensor(t: Any) -> tuple[tuple[int, ...], str, int]:
-    from jax._src.lib.mlir import ir
     rt = ir.RankedTensorType(t)
     dtype = str(rt.element_type)
     shape = tuple(rt.shape)
@@ -95,12 +82,9 @@ def _walk(op: Any, in_loop: bool = False) -> Any:
 def placements(module_text: str) -> tuple[list[Argument], list[Move]]:
     """The entry function's arguments (bytes, memory kind) and every placement op of an
     exported StableHLO module, each with whether it runs inside a loop body."""
-    from jax._src.interpreters import mlir as jmlir
-    from jax._src.lib.mlir import ir
     module = ir.Module.parse(module_text, context=jmlir.make_ir_context())
     funcs = {ir.StringAttr(f.attributes["sym_name"]).value: f for f in module.body.operations
              if f.operation.name == "func.func"}
-    calls: dict[str, set] = {name: set() for name in funcs}  # callee -> {in a loop?}
     found: dict[str, list] = {name: [] for name in funcs}
     for name, f in funcs.items():
         for op, in_loop in _walk(f.operation):
@@ -130,7 +114,6 @@ def placements(module_text: str) -> tuple[list[Argument], list[Move]]:
 
 
 def _arguments(main: Any) -> list[Argument]:
-    from jax._src.lib.mlir import ir
     attrs = main.attributes["arg_attrs"] if "arg_attrs" in main.attributes else None
     types = ir.FunctionType(ir.TypeAttr(main.attributes["function_type"]).value).inputs
     out = []
@@ -145,71 +128,21 @@ def _arguments(main: Any) -> list[Argument]:
 # -- the step at model shapes ---------------------------------------------------------------
 
 
-def abstract_step(model: str, method: str = "qlora-nf4", offload: bool = True,
-                  remat: str = "layer", layers: str = "scan", attention: str = "xla",
-                  state_on_host: bool = False, batch: int = 1, seq: int | None = None,
-                  **config: Any) -> tuple[Callable, tuple]:
-    """`benchmarks.scale`'s Adam step for `model` and its abstract arguments (nothing
-    allocated), its frozen half in host memory if `offload`, Adam's state too if
-    `state_on_host` (`lorax.offload_state`), `batch` windows of `seq` tokens a step (the
-    model's own length by default). `config`: other `llama.Config` fields (`n_layers`,
-    `mlp_chunk`, ...). (cuDNN's attention needs cuDNN, so JAX's CUDA plugin, to lower:
-    `xla` by default.)"""
-    from . import scale as S
-    cfg = S.config(model, attention, remat)._replace(**config)
-    abstract, spec = S.build(cfg, method, jnp.bfloat16, layers)
-    trainable, frozen = lorax.partition(abstract, spec)
-    if offload:
-        frozen = lorax.offload_frozen(frozen)
-    optimizer = optax.adam(1e-4)
-    state = jax.eval_shape(optimizer.init, trainable)
-    if state_on_host:  # (`eval_shape` keeps no memory kind: the state's placed here)
-        optimizer = lorax.offload_state(optimizer)
-        state = jax.tree.map(lambda x: _placement._to_host(x, "pinned_host"), state)
-    windows = jax.ShapeDtypeStruct((batch, (seq or S.MODELS[model][-1]) + 1), jnp.int32)
-    apply = lorax.lora(lambda p, w: S.LLAMA.loss(cfg, p, w), on_materialize="allow")
-
-    def step(trainable: Any, frozen: Any, opt_state: Any, windows: Any) -> tuple:
-        loss = lambda t: apply(lorax.combine(t, frozen), windows)  # noqa: E731
-        value, grads = jax.value_and_grad(loss)(trainable)
-        updates, opt_state = optimizer.update(grads, opt_state, trainable)
-        return optax.apply_updates(trainable, updates), opt_state, value
-
-    return step, (trainable, frozen, state, windows)
-
-
 def exported_step(model: str, method: str = "qlora-nf4", offload: bool = True,
                   remat: str = "layer") -> Any:
-    """`abstract_step`'s step exported for `cuda`."""
-    step, args = abstract_step(model, method, offload, remat)
+    """`_llama.abstract_step`'s step exported for `cuda`."""
+    step, args = L.abstract_step(model, method, offload, remat)
     return export_for_cuda(step, *args)
 
 
 def export_for_cuda(fn: Any, *args: Any) -> Any:
     """`jax.export` of `jax.jit(fn)` for `cuda` (no GPU needed), host-placed arguments
     (concrete or abstract) typed and laid out in host memory."""
-    return jax.export.export(jax.jit(fn, in_shardings=jax.tree.map(_sharding, args)),
-                             platforms=["cuda"])(*jax.tree.map(_typed, args))
-
-
-def _in_host(x: Any) -> bool:
-    return getattr(getattr(x, "sharding", None), "memory_kind", None) == "pinned_host"
-
-
-def _sharding(x: Any) -> Any:
-    return x.sharding if _in_host(x) else jax.sharding.SingleDeviceSharding(jax.devices()[0])
-
-
-def _typed(x: Any) -> Any:
-    """A host-placed abstract argument as the type a host array traces with (a
-    `ShapeDtypeStruct` traces as device memory whatever its sharding says)."""
-    if not _in_host(x):
-        return x
-    return jax.core.ShapedArray(x.shape, x.dtype, memory_space=jax.memory.Space.Host)
+    return jax.export.export(jax.jit(fn, in_shardings=jax.tree.map(L.sharding, args)),
+                             platforms=["cuda"])(*jax.tree.map(L.typed, args))
 
 
 def measure(model: str, offload: bool) -> dict[str, Any]:
-    from . import scale as S
     # Every rule traced anew, so each product's moves are ops of their own in the module
     # (a cached body is one function called from several places): counted per call.
     with _engine.trace_uncached():
@@ -220,9 +153,9 @@ def measure(model: str, offload: bool) -> dict[str, Any]:
     outside = [m for m in moves if m.to == "device" and not m.in_loop]
     # Moves of one layer's slice of a stack run once per layer; "passes": how many times
     # a step moves all of the layers' frozen bytes.
-    cfg = S.config(model, "xla", "layer")
-    frozen = lorax.offload_frozen(lorax.partition(*S.build(cfg, "qlora-nf4", jnp.bfloat16))[1])
-    stacks = [x for x in jax.tree.leaves(frozen["layers"]) if _in_host(x)]  # (not the norms)
+    cfg = L.config(model, "xla", "layer")
+    frozen = lorax.offload_frozen(lorax.partition(*L.build(cfg, "qlora-nf4", jnp.bfloat16))[1])
+    stacks = [x for x in jax.tree.leaves(frozen["layers"]) if L.in_host(x)]  # (not the norms)
     slices = {tuple(x.shape[1:]) for x in stacks}
     per_layer = sum(m.nbytes for m in looped if m.shape in slices)
     stack_bytes = sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in stacks)
@@ -243,8 +176,7 @@ def llama_step_values(cfg: Any, method: str, offload: bool, state_on_host: bool 
     """(loss, factor gradients, updated factors) of one Adam step of the example Llama
     `cfg` in float32 (random values made the same way for either placement), its frozen
     weights in host memory if `offload`, Adam's state if `state_on_host`."""
-    from . import scale as S
-    abstract, spec = S.build(cfg, method, jnp.float32)
+    abstract, spec = L.build(cfg, method, jnp.float32)
     leaves, treedef = jax.tree_util.tree_flatten(abstract)
     keys = jax.random.split(jax.random.PRNGKey(0), len(leaves))
     values = [jax.random.randint(k, s.shape, 0, 255).astype(s.dtype)
@@ -255,7 +187,7 @@ def llama_step_values(cfg: Any, method: str, offload: bool, state_on_host: bool 
     if offload:
         frozen = lorax.offload_frozen(frozen)
     windows = jax.random.randint(jax.random.PRNGKey(1), (2, 33), 0, cfg.vocab)
-    apply = lorax.lora(lambda p, w: S.LLAMA.loss(cfg, p, w), on_materialize="error")
+    apply = lorax.lora(lambda p, w: L.LLAMA.loss(cfg, p, w), on_materialize="error")
     opt = lorax.offload_state(optax.adam(1e-3)) if state_on_host else optax.adam(1e-3)
 
     @jax.jit
@@ -272,8 +204,7 @@ def check_values(remat: str = "layer") -> dict[str, Any]:
     host memory, and with Adam's state there too, against the same step all on the
     device, on the default device: the largest difference of the loss, the gradients and
     the updated factors, relative to the largest value of each (0.0: bit for bit)."""
-    from . import scale as S
-    cfg = S.LLAMA.Config(2, 128, 256, 4, 2, 5e5, 1e-5, 512, attention="xla", remat=remat)
+    cfg = L.LLAMA.Config(2, 128, 256, 4, 2, 5e5, 1e-5, 512, attention="xla", remat=remat)
     device = jax.tree_util.tree_leaves(llama_step_values(cfg, "qlora-nf4", offload=False))
     out = dict(device=str(jax.devices()[0].device_kind), remat=remat)
     for name, state_on_host in (("codes", False), ("codes_and_state", True)):
@@ -298,23 +229,12 @@ COLUMNS = [("model", "model"), ("placement", "frozen codes"), ("host_args_gib", 
            ("layer_passes", "moves of every layer's codes a step")]
 
 
-def markdown(rows: list[dict]) -> str:
-    head = "| " + " | ".join(title for _, title in COLUMNS) + " |"
-    lines = [head, "|" + "---|" * len(COLUMNS)]
-    for r in rows:
-        cells = [f"{r[k]:.2f}" if isinstance(r[k], float) else str(r[k]) for k, _ in COLUMNS]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
-
-
 def main(argv: list[str] | None = None) -> list[dict]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = C.parser(__doc__, rounds=False)
     parser.add_argument("--models", default="llama-3-8b,llama-3-70b")
-    parser.add_argument("--out", default=None)
-    parser.add_argument("--quick", action="store_true", help="the tiny model only (CI)")
     parser.add_argument("--check", action="store_true",
                         help="run the tiny step both ways on this device and compare its values")
-    args = parser.parse_args(argv)
+    args = C.parse(parser, argv)
     if args.check:
         result = check_values()
         print("CHECK " + json.dumps(result), flush=True)
@@ -323,10 +243,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         return [result]
     models = ["tiny"] if args.quick else args.models.split(",")
     rows = [measure(m, offload) for m in models for offload in (False, True)]
-    out = C.out_dir(args.out)
-    C.write_csv(out / "offload.csv", rows)
-    (out / "offload.md").write_text(markdown(rows))
-    print(markdown(rows))
+    C.write_table(args.out, "offload", rows, C.column_table(rows, COLUMNS) + "\n")
     return rows
 
 

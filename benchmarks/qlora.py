@@ -7,7 +7,7 @@ Models (LoRA rank 8 on every kernel, Adam on the factors, the partition path):
 - `mlp`: an 8-layer relu MLP, unrolled, d x d kernels, batch 64;
 - `scan`: an 8-layer pre-norm decoder stack under `lax.scan` (stacked `(layers, in,
   out)` kernels q, k, v, o (d x d), up (d x 4d), down (4d x d); 8 x 128 tokens);
-- `nnx`: the Flax NNX block stack of `benchmarks/blocks.py` (4 layers,
+- `nnx`: the Flax NNX stack of `benchmarks/blocks.py` (`_models.nnx_stack`, 4 layers,
   `nnx.MultiHeadAttention` + `nnx.Linear`), where qwix's QLoRA (`qwix.LoraProvider`
   with `weight_qtype` nf4 / int8) runs side by side with lorax's on the same model.
 
@@ -25,25 +25,20 @@ ratio to `dense` paired within each round, medians.
 
 from __future__ import annotations
 
-import sys
+import functools
 import warnings
 from pathlib import Path
-from typing import Any, Callable
-
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    __package__ = "benchmarks"
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from jax import lax
 
 import lorax
 
 from . import _common as C
-from . import blocks
+from . import _models as M
 
 RANK = 8
 QTYPES = ("int8", "nf4", "q4_1", "q5_0", "q4_k", "q6_k")
@@ -52,53 +47,6 @@ QTYPES = ("int8", "nf4", "q4_1", "q5_0", "q4_k", "q6_k")
 K_BLOCKS = {"q4_k": (256, 144, 0, 2, 7.5), "q6_k": (256, 210, 208, None, 0.0)}
 DEFAULT = dict(mlp=(512, 1024, 2048), scan=(512, 1024), nnx=(256, 512), rounds=5)
 QUICK = dict(mlp=(128,), scan=(128,), nnx=(128,), rounds=2)
-HAVE_QWIX = blocks.HAVE_QWIX
-
-
-def _is_lora(x: Any) -> bool:
-    return isinstance(x, lorax.LoraWeight)
-
-
-# -- models ------------------------------------------------------------------------------
-
-
-def _mlp_params(d: int, layers: int = 8) -> dict:
-    keys = jax.random.split(jax.random.PRNGKey(0), layers)
-    return {f"l{i}": jax.random.normal(k, (d, d)) / d**0.5 for i, k in enumerate(keys)}
-
-
-def _mlp_apply(params: dict, x: jax.Array, dot: Callable) -> jax.Array:
-    for i in range(len(params)):
-        x = jax.nn.relu(dot(x, params[f"l{i}"]))
-    return x
-
-
-def _scan_params(d: int, layers: int = 8) -> dict:
-    keys = jax.random.split(jax.random.PRNGKey(0), 6)
-    shapes = dict(q=(d, d), k=(d, d), v=(d, d), o=(d, d), up=(d, 4 * d), down=(4 * d, d))
-    ws = {n: jax.random.normal(k, (layers, *s)) / s[0] ** 0.5 for k, (n, s) in zip(keys, shapes.items())}
-    return {"layers": ws, "norm": jnp.ones((layers, d))}
-
-
-def _scan_apply(params: dict, x: jax.Array, dot: Callable) -> jax.Array:
-    heads = x.shape[-1] // 64
-
-    def block(x, p):
-        w, norm = p
-        h = x * lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + 1e-6) * norm
-        b, t, d = h.shape
-        q, k, v = (dot(h, w[n]).reshape(b, t, heads, 64) for n in ("q", "k", "v"))
-        s = jnp.einsum("bthd,bshd->bhts", q, k) / 8.0
-        s = jnp.where(jnp.tril(jnp.ones((t, t), bool)), s, -1e9)
-        a = jnp.einsum("bhts,bshd->bthd", jax.nn.softmax(s, -1), v).reshape(b, t, d)
-        x = x + dot(a, w["o"])
-        return x + dot(jax.nn.gelu(dot(h, w["up"])), w["down"]), None
-
-    return lax.scan(block, x, (params["layers"], params["norm"]))[0]
-
-
-def _plain_dot(x: jax.Array, w: Any) -> jax.Array:
-    return x @ w
 
 
 def _naive_dot(x: jax.Array, w: Any) -> jax.Array:
@@ -131,18 +79,9 @@ def _random_gguf(kernels: dict, qtype: str) -> dict:
 # -- one implementation's step -----------------------------------------------------------
 
 
-def _runner(loss: Callable, trainable: Any, frozen: Any, x: jax.Array) -> tuple[C.Step, Any]:
-    """The jitted Adam step on `trainable` (donated) and its compiled executable."""
-    opt = optax.adam(1e-3)
-    step = jax.jit(C.train_step(loss, opt, with_loss=False), donate_argnums=(0, 1))
-    compiled = step.lower(trainable, opt.init(trainable), frozen, x).compile()
-    state = (jax.tree.map(jnp.copy, trainable), opt.init(trainable))
-    return C.Step(step, state, (frozen, x), aux=False), compiled
-
-
 def _lorax_runner(model: str, d: int, impl: str, x: jax.Array) -> tuple[C.Step, Any]:
-    params = _mlp_params(d) if model == "mlp" else _scan_params(d)
-    apply = _mlp_apply if model == "mlp" else _scan_apply
+    params, apply = ((M.mlp_params(d, 8), functools.partial(M.mlp_apply, relu_last=True))
+                     if model == "mlp" else (M.scan_params(d), M.scan_apply))
     if model == "mlp":
         spec = {k: RANK for k in params}
     else:
@@ -154,27 +93,25 @@ def _lorax_runner(model: str, d: int, impl: str, x: jax.Array) -> tuple[C.Step, 
                   else dict(params, layers=_random_gguf(params["layers"], qtype)))
     elif impl != "dense":
         params = lorax.quantize(params, spec, qtype)
-    lp = lorax.init_lora(params, spec, jax.random.PRNGKey(1), alpha=2.0 * RANK)
-    lp = jax.tree.map(lambda w: lorax.LoraWeight(w.w, w.a, jnp.full_like(w.b, 0.01), w.alpha)
-                      if _is_lora(w) else w, lp, is_leaf=_is_lora)
+    lp = M.nonzero_b(lorax.init_lora(params, spec, jax.random.PRNGKey(1), alpha=2.0 * RANK))
     trainable, frozen = lorax.partition(lp, spec)
     if impl.startswith("naive_"):
         def loss(t, f, x):
             return jnp.mean(apply(lorax.combine(t, f), x, _naive_dot) ** 2)
     else:
-        fn = lorax.lora(lambda p, x: apply(p, x, _plain_dot), on_materialize="error")
+        fn = lorax.lora(lambda p, x: apply(p, x, M.plain_dot), on_materialize="error")
 
         def loss(t, f, x):
             return jnp.mean(fn(lorax.combine(t, f), x) ** 2)
-    return _runner(loss, trainable, frozen, x)
+    return C.train_runner(loss, trainable, (frozen, x))
 
 
 def _nnx_runner(d: int, impl: str, x: jax.Array) -> tuple[C.Step, Any]:
-    from flax import nnx
+    from flax import nnx  # lazy: Flax loads in seconds, for the nnx cells only
 
-    module = blocks.make_nnx(d, 4)
+    module = M.nnx_stack(d, 4)
     if impl.startswith("qwix_"):
-        import qwix
+        import qwix  # lazy: optional (the bench group)
 
         qtype = {"qwix_nf4": "nf4", "qwix_int8": "int8"}[impl]
         provider = qwix.LoraProvider(module_path=r".*/(query|key|value|out|up|down)", rank=RANK,
@@ -202,12 +139,12 @@ def _nnx_runner(d: int, impl: str, x: jax.Array) -> tuple[C.Step, Any]:
 
         def loss(t, f, x):
             return jnp.mean(fn(lorax.combine(t, f), x) ** 2)
-    return _runner(loss, trainable, frozen, x)
+    return C.train_runner(loss, trainable, (frozen, x))
 
 
 def _impls(model: str, d: int) -> tuple[str, ...]:
     if model == "nnx":
-        return ("dense", "int8", "nf4", *(("qwix_int8", "qwix_nf4") if HAVE_QWIX else ()))
+        return ("dense", "int8", "nf4", *(("qwix_int8", "qwix_nf4") if M.HAVE_QWIX else ()))
     # K-quant blocks are 256 values long: d must split into them (not at --quick's 128).
     return ("dense", *(q for q in QTYPES if q not in K_BLOCKS or d % 256 == 0), "naive_nf4")
 
@@ -244,7 +181,7 @@ def main(argv: list[str] | None = None) -> Path:
     if a.plot_only:
         return C.replot(a.out, "qlora", _plot)
     models = [m for m in ("mlp", "scan", "nnx") if m in a.models.split(",")]
-    if "nnx" in models and not HAVE_QWIX and not a.quick:
+    if "nnx" in models and not M.HAVE_QWIX and not a.quick:
         print("[qlora] qwix not installed: nnx cells without qwix", flush=True)
     clock, cells, raw = C.measure_cells("qlora", [(m, d) for m in models for d in a.cfg[m]], Cell,
                                         a.rounds, 0.05, cap=20)

@@ -23,15 +23,10 @@ Columns:
 
 from __future__ import annotations
 
-import argparse
 import functools
-import sys
 from pathlib import Path
 from typing import Any, NamedTuple
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    __package__ = "benchmarks"
 
 import jax
 import jax.numpy as jnp
@@ -103,7 +98,7 @@ def _normal_and_t(n: int) -> dict[str, jax.Array]:
 
 def _smollm2() -> tuple[Any, Any]:
     """(dense params, `loss(params)` jitted on the held-out windows)."""
-    from examples.shakespeare import data, llama, models
+    from examples.shakespeare import data, llama, models  # lazy: the model cells only (not --quick)
 
     model = models.MODELS["smollm2-135m"]
     params, config, tokenizer = model.load(quantized=False)
@@ -158,13 +153,13 @@ def markdown(rows: list[dict[str, Any]], n: int = 4096) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="small matrices, no model (CI)")
-    parser.add_argument("--out", default=None)
-    args = parser.parse_args(argv)
+    args = C.parse(C.parser(__doc__, rounds=False, plot=True), argv)
+    if args.plot_only:
+        C.replot(args.out, "quant_error", _plot)
+        return C.read_csv(args.out / "quant_error.csv")
     rows = measure(args.quick)
     md = markdown(rows, 512 if args.quick else 4096)
-    C.write_results(C.out_dir(args.out), "quant_error", rows, md, plot=_plot)
+    C.write_results(args.out, "quant_error", rows, md, plot=_plot)
     print("\n".join(md))
     return rows
 

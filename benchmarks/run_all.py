@@ -13,16 +13,11 @@ report.
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    __package__ = "benchmarks"
-
-from . import _common as C  # noqa: E402
-from . import scale  # noqa: E402  (first: it asks for 8 simulated devices before JAX starts)
-from . import (adapters, blocks, checkpoint_load, dispatch, layers, memory, moe,  # noqa: E402
+from . import scale  # (first: it asks for 8 simulated devices before JAX is imported)
+from . import _common as C
+from . import (adapters, blocks, checkpoint_load, dispatch, layers, memory, moe,
                offload, qlora, quant_error, speed, trace_time, variants)
 
 BENCHMARKS = {"memory": memory, "trace_time": trace_time, "dispatch": dispatch, "speed": speed,

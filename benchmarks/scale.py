@@ -1,10 +1,9 @@
 """What fits where: compiled memory of a Llama-3 training step at real shapes, compile only.
 
-The main job's plain-JAX Llama (`examples/shakespeare/llama.py`: per-layer remat under
-`lax.scan`, the chunked cross-entropy over a tied embedding) with Llama 3 shapes, on
-abstract parameters (`jax.ShapeDtypeStruct`: nothing is allocated or run), jitted Adam
-step with the trainable state donated. For each model, method and compute dtype, on one
-device and with FSDP over 8 (simulated) devices:
+`benchmarks._llama`'s Llama (the main job's model at Llama 3 shapes) on abstract parameters
+(`jax.ShapeDtypeStruct`: nothing is allocated or run), its jitted Adam step with the
+trainable state donated. For each model, method and compute dtype, on one device and with
+FSDP over 8 (simulated) devices:
 
 - `args` / `temps` / `peak` (= args + temps + outputs - aliased): XLA's
   `memory_analysis()` of the compiled step, per device; `whole`: the arguments each
@@ -26,7 +25,8 @@ either the same window, each layer's activations split along the sequence (`batc
 
 Attention is the main job's, queries in chunks of 512 (`llama.QUERY_CHUNK`; what
 `Config.attention="auto"` runs off a GPU), so no `(T, T)` score matrix per head is whole.
-The same steps run for real on an accelerator in `benchmarks.accelerator`. XLA:CPU has no bf16 arithmetic: a bf16 step
+The same steps run for real on an accelerator in `benchmarks.accelerator`. XLA:CPU has
+no bf16 arithmetic: a bf16 step
 holds float32 copies of bf16 values that bf16 hardware does not (the dequantized weight
 a dot reads; the scan's saved layer inputs, which a bf16 `dynamic-update-slice` turns
 into one float32 copy of the whole stack).
@@ -34,15 +34,20 @@ into one float32 copy of the whole stack).
     python -m benchmarks.scale [--quick] [--models llama-3.2-1b,llama-3-8b,llama-3-70b]
                                [--methods full,lora,qlora-nf4,qlora-int8] [--out DIR]
                                [--layouts 1,fsdp,fsdp-batch,tp,fsdp-tp] [--name scale]
-                               [--target h100|h200]
+                               [--target h100|h200] [--axes auto,explicit]
 
 `--layouts tp,fsdp-tp` compiles Megatron's tensor-parallel layout over the 8 devices (q,
 k, v, gate, up split along their outputs, o and down along their inputs; activations
 whole on every device) and the same with FSDP on the other weight axis over a 2 x 4
 (`fsdp`, `tp`) mesh, a window per `fsdp` group.
 
+`--axes explicit` builds the meshes with Explicit axes (sharding in types, `jax.make_mesh`'s
+default), the model stating its layout (`llama.Layout`: weights regathered per layer with
+`reshard`, row-parallel products given their `out_sharding`); `--axes auto,explicit` runs
+each layout under both. One window split along its tokens (`fsdp`) has no such layout.
+
 `--target h100` (or `h200`) compiles the same steps with XLA's GPU compiler for one and
-for 8 such cards on one host (`benchmarks.gpu_compile`: deviceless, JAX's CUDA plugin
+for 8 such cards on one host (`benchmarks._cuda`: deviceless, JAX's CUDA plugin
 needed, no GPU), with cuDNN's fused attention: bf16 stays bf16, so these are the figures
 a card's compile gives (within 1.2% of an H200's own compile, `docs/gpu.md`). Written as
 `<name>_<target>` beside the CPU's table.
@@ -51,8 +56,6 @@ a card's compile gives (within 1.2% of an H200's own compile, `docs/gpu.md`). Wr
 from __future__ import annotations
 
 import contextlib
-import functools
-import importlib.util
 import os
 import re
 import sys
@@ -65,136 +68,20 @@ if "jax" not in sys.modules and "--xla_force_host_platform_device_count" not in 
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                                + " --xla_force_host_platform_device_count=8").strip()
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    __package__ = "benchmarks"
-
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
 import lorax  # noqa: E402
-from lorax._quant._formats import get_format  # noqa: E402
 from lorax._sharding import factor_specs  # noqa: E402
 
 from . import _common as C  # noqa: E402
+from ._cuda import TARGETS as GPUS, gpu_devices  # noqa: E402
+from ._llama import LLAMA, MODELS, adam_step, build, config, lora_loss  # noqa: E402
 
 GiB = 2**30
-ROOT = Path(__file__).resolve().parent.parent
-TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
-RANK = 16
-# name: (layers, dim, hidden, heads, kv heads, seq)
-MODELS = {
-    "llama-3.2-1b": (16, 2048, 8192, 32, 8, 2048),
-    "llama-3-8b": (32, 4096, 14336, 32, 8, 2048),
-    "llama-3-70b": (80, 8192, 28672, 64, 8, 2048),
-    "tiny": (2, 256, 512, 4, 2, 64),  # --quick
-}
-VOCAB = 128_256
-# What others quote for the same job (per device, GiB), beside the table in the docs.
-ANCHORS = {
-    "llama-3-8b": "PEFT + bitsandbytes QLoRA r16, batch 1: ~10 GB (bf16 compute)",
-    "llama-3-70b": "Answer.AI FSDP+QLoRA: 2 x 24 GB GPUs; QLoRA paper: 65B on one 48 GB GPU",
-}
-
-
-def _llama():
-    spec = importlib.util.spec_from_file_location(
-        "lorax_bench_llama", ROOT / "examples" / "shakespeare" / "llama.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-LLAMA = _llama()
-
-
-def config(name: str, attention: str = "auto", remat: str = "layer") -> Any:
-    """The Llama config of `name`; `attention` and `remat` as `llama.Config` takes them
-    (the default: cuDNN's fused attention on a GPU, query chunks elsewhere; per-layer
-    remat)."""
-    n, d, f, h, kv, _ = MODELS[name]
-    vocab = 4096 if name == "tiny" else VOCAB
-    return LLAMA.Config(n, d, f, h, kv, 5e5, 1e-5, vocab, attention=attention, remat=remat)
-
-
-# How the layers are laid out (`llama.hidden_states`): stacked under `lax.scan`, or a list
-# of per-layer dicts run unrolled.
-LAYER_LOOPS = ("scan", "unrolled")
-
-
-def abstract_params(cfg: Any, dtype: Any, layers: str = "scan") -> dict:
-    if layers not in LAYER_LOOPS:
-        raise ValueError(f"layers {layers!r}: expected one of {LAYER_LOOPS}")
-    hd = cfg.dim // cfg.n_heads
-    n, d = cfg.n_layers, cfg.dim
-    shapes = dict(q=(d, cfg.n_heads * hd), k=(d, cfg.n_kv_heads * hd),
-                  v=(d, cfg.n_kv_heads * hd), o=(cfg.n_heads * hd, d), gate=(d, cfg.hidden),
-                  up=(d, cfg.hidden), down=(cfg.hidden, d), attn_norm=(d,), mlp_norm=(d,))
-    sds = lambda *s: jax.ShapeDtypeStruct(s, dtype)  # noqa: E731
-    stack = ([{k: sds(*s) for k, s in shapes.items()} for _ in range(n)] if layers == "unrolled"
-             else {k: sds(n, *s) for k, s in shapes.items()})
-    return {"embed": sds(cfg.vocab, d), "final_norm": sds(d), "layers": stack}
-
-
-def map_layers(fn: Any, layers: Any) -> Any:
-    """`fn(layer_dict)` of a stacked layers dict, or of each of a list of them."""
-    return [fn(layer) for layer in layers] if isinstance(layers, list) else fn(layers)
-
-
-def spec_for(params: dict, method: str) -> dict:
-    if method == "full":
-        return jax.tree.map(lambda _: lorax.LORA_FULL, params)
-    batch_ndim = 0 if isinstance(params["layers"], list) else 1
-    layer = lambda names: {  # noqa: E731
-        k: lorax.LoraSpec(RANK, batch_ndim=batch_ndim) if k in TARGETS else lorax.LORA_FREEZE
-        for k in names}
-    return {"embed": lorax.LORA_FREEZE, "final_norm": lorax.LORA_FREEZE,
-            "layers": map_layers(layer, params["layers"])}
-
-
-KQUANTS = ("q2_k", "q3_k", "q4_k", "q5_k", "q6_k")
-
-
-def build(cfg: Any, method: str, dtype: Any, layers: str = "scan") -> tuple[Any, dict]:
-    """Abstract parameters for a method (`LoraWeight`s, `QuantizedArray`s), and its spec.
-    `qlora-<qtype>`: every frozen matrix quantized (`lorax.quantize`'s rule; K-quants,
-    which only GGUF files carry, as `QuantizedArray.from_gguf` holds them). `layers`: one
-    of `LAYER_LOOPS`. `qlora-<qtype>-bf16` (`int8`, `s4`): scales in the model's dtype
-    (the form XLA's GPU compiler fuses into the matrix products)."""
-    params = abstract_params(cfg, dtype, layers)
-    spec = spec_for(params, method)
-    if method.startswith("qlora"):
-        qtype = method.split("-")[1]
-        # QLoRA's recipe: NF4 (lorax's or bitsandbytes' layout) with its absmax values
-        # quantized too (double quantization), as Unsloth's `*-bnb-4bit` checkpoints are.
-        quantize = _kquantize if qtype in KQUANTS else functools.partial(
-            lorax.quantize, double_quant=get_format(qtype).double_quantizable,
-            scale_dtype=dtype if method.endswith("-bf16") else None)
-        params = jax.eval_shape(lambda p: quantize(p, spec, qtype, dtype=dtype), params)
-    if method != "full":
-        params = jax.eval_shape(
-            lambda p: lorax.init_lora(p, spec, jax.random.PRNGKey(0), dtype=jnp.float32), params)
-    return params, spec
-
-
-def _kquantize(params: dict, spec: dict, qtype: str, dtype: Any) -> dict:
-    """GGUF K-quant blocks of every frozen matrix, as a GGUF file stores them: a kernel's
-    blocks along its input axis (`(layers, in, out)`), the embedding's along `dim`."""
-    def one(w: Any, axis: int) -> Any:
-        rows = w.shape[:-2] + (w.shape[-1],) if axis == -2 else w.shape[:-1]
-        blocks = w.shape[axis] // 256
-        half = jnp.zeros((*rows, blocks), jnp.float16)
-        fmt = get_format(qtype)
-        codes = jnp.zeros((*rows, blocks, fmt.code_bytes(256)), jnp.uint8)
-        mins = half if fmt.has_mins else None
-        return lorax.QuantizedArray(codes, half, mins, qtype=qtype, block_size=256, axis=axis,
-                                    dense_dtype=dtype)
-    layers = map_layers(lambda layer: {k: one(v, -2) if k in TARGETS else v
-                                       for k, v in layer.items()}, params["layers"])
-    return dict(params, embed=one(params["embed"], -1), layers=layers)
 
 
 # -- FSDP layouts ----------------------------------------------------------------------------
@@ -305,16 +192,11 @@ def compile_step(cfg: Any, method: str, dtype: Any, mesh: Mesh | None, seq: int,
     windows = jax.ShapeDtypeStruct(
         (n, seq + 1), jnp.int32,
         sharding=None if mesh is None else NamedSharding(mesh, P("fsdp" if n > 1 else None)))
-    apply = lorax.lora(lambda p, w: LLAMA.loss(cfg, p, w), on_materialize="allow")
-
-    def step(trainable, frozen, opt_state, windows):
-        loss, grads = jax.value_and_grad(
-            lambda t: apply(lorax.combine(t, frozen), windows))(trainable)
-        updates, opt_state = optimizer.update(grads, opt_state, trainable)
-        return optax.apply_updates(trainable, updates), opt_state, loss
-
-    jitted = jax.jit(step, donate_argnums=(0, 2))
-    with _activations_pinned(mesh, per_device):
+    if explicit(mesh):  # the model states its layout (`llama.Layout`), as Explicit axes ask
+        cfg = cfg._replace(layout=LLAMA.Layout(batch="fsdp" if n > 1 else None,
+                                               tp="tp" if tp else None))
+    jitted = jax.jit(adam_step(lora_loss(cfg), optimizer), donate_argnums=(0, 2))
+    with _activations_pinned(mesh, per_device) if not explicit(mesh) else jax.set_mesh(mesh):
         traced = jitted.trace(trainable, frozen, state, windows)
         compiled = traced.lower(lowering_platforms=platforms).compile()
     return compiled, _whole_bytes((trainable, frozen, state, windows))
@@ -357,6 +239,9 @@ def collective_bytes(text: str) -> dict[str, int]:
     out = dict.fromkeys(KINDS, 0)
     current = None
     for line in text.splitlines():
+        # A tuple of six or more shapes carries `/*index=5*/` comments, whose `=` would
+        # end the shape's match before it reaches the collective.
+        line = re.sub(r"/\*.*?\*/", "", line)
         head = re.match(r"^(?:ENTRY )?%?([\w.\-]+) .*\{\s*$", line)
         if head and not line.startswith(" "):
             current = head.group(1)
@@ -385,14 +270,21 @@ def _started_results(shape: str) -> str:
     return ",".join(parts[1:])
 
 
+def explicit(mesh: Mesh | None) -> bool:
+    """`mesh`'s axes are Explicit (sharding in types; `--axes explicit`)."""
+    return mesh is not None and all(t == AxisType.Explicit for t in mesh.axis_types)
+
+
 def layout_name(mesh: Mesh | None) -> str:
-    """`1 device`, `FSDP x8`, `TP x8`, `FSDP 2 x TP 4`."""
+    """`1 device`, `FSDP x8`, `TP x8`, `FSDP 2 x TP 4`; `, Explicit` on such a mesh."""
     if mesh is None or mesh.size == 1:
         return "1 device"
     if len(mesh.shape) == 1:
         ((axis, n),) = mesh.shape.items()
-        return f"{axis.upper()} x{n}"
-    return " x ".join(f"{axis.upper()} {n}" for axis, n in mesh.shape.items())
+        name = f"{axis.upper()} x{n}"
+    else:
+        name = " x ".join(f"{axis.upper()} {n}" for axis, n in mesh.shape.items())
+    return name + (", Explicit" if explicit(mesh) else "")
 
 
 def measure(name: str, method: str, dtype_name: str, mesh: Mesh | None,
@@ -408,15 +300,13 @@ def measure(name: str, method: str, dtype_name: str, mesh: Mesh | None,
     t0 = time.perf_counter()
     compiled, whole = compile_step(cfg, method, dtype, mesh, seq, per_device,
                                    platforms=("cuda",) if target else None)
-    m = compiled.memory_analysis()
+    m = C.memory_gib(compiled.memory_analysis())
     devices = 1 if mesh is None else mesh.size
     windows = dict(mesh.shape).get("fsdp", 1) if mesh is not None and "tp" in mesh.axis_names \
         else devices if per_device else 1
     row = dict(model=name, method=method, dtype=dtype_name, devices=devices,
                layout=layout_name(mesh), batch=f"{windows}x{seq}",
-               args_gib=m.argument_size_in_bytes / GiB, temps_gib=m.temp_size_in_bytes / GiB,
-               peak_gib=(m.argument_size_in_bytes + m.temp_size_in_bytes
-                         + m.output_size_in_bytes - m.alias_size_in_bytes) / GiB,
+               args_gib=m["args"], temps_gib=m["temps"], peak_gib=m["peak"],
                whole_gib=whole / GiB, compile_s=time.perf_counter() - t0)
     if mesh is not None and mesh.size > 1:
         for kind, n in collective_bytes(compiled.as_text()).items():
@@ -435,7 +325,7 @@ def markdown(rows: list[dict]) -> str:
 
 
 METHODS = {"full": "full", "lora": "LoRA", "qlora-nf4": "nf4", "qlora-int8": "int8"}
-GPUS = ((24e9 / GiB, "24 GB"), (80e9 / GiB, "80 GB"))
+CARD_GIB = ((24e9 / GiB, "24 GB"), (80e9 / GiB, "80 GB"))
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -463,7 +353,7 @@ def plot(rows: list[dict], path: Path) -> None:
                             rotation=90, fontsize=9, color="0.4")
         ax.set_title(model)
     for ax in axes[0]:
-        for gib, label in GPUS:
+        for gib, label in CARD_GIB:
             C.target_line(ax, gib, label, color="0.3", style=":",
                           place="right" if ax is axes[0][-1] else "")
     axes[0][0].set_yscale("log")
@@ -475,21 +365,29 @@ def plot(rows: list[dict], path: Path) -> None:
 LAYOUTS = ("1", "fsdp", "fsdp-batch", "tp", "fsdp-tp")
 
 
-def layouts(names: str, target: str | None = None) -> list[tuple[Mesh | None, bool]]:
+def layouts(names: str, target: str | None = None,
+            axes: str = "auto") -> list[tuple[Mesh | None, bool]]:
     """(mesh, a window per device) for each named layout (`LAYOUTS`); the multi-device
     ones need 8 devices and are left out with fewer. `target`: over 8 compile-only GPUs
-    of that kind (one device: a mesh of the first)."""
+    of that kind (one device: a mesh of the first). `axes="explicit"`: the meshes' axes
+    Explicit, the model stating its layout; one window split along its tokens (`fsdp`)
+    has no such layout in the examples' Llama and is refused."""
+    if axes == "explicit" and "fsdp" in names.split(","):
+        raise ValueError("--axes explicit: layout 'fsdp' (one window split along its tokens) "
+                         "has no Explicit-axes layout in the examples' Llama; use fsdp-batch, "
+                         "tp or fsdp-tp")
+    kind = (AxisType.Explicit if axes == "explicit" else AxisType.Auto,)
     if target:
-        from .gpu_compile import gpu_devices
         devices = gpu_devices(target, count=8)
         one = Mesh(np.array(devices[:1]), ("fsdp",))
     else:
         devices, one = jax.devices()[:8], None
     meshes = {} if len(devices) < 8 else {
-        "fsdp": (Mesh(np.array(devices), ("fsdp",)), False),
-        "fsdp-batch": (Mesh(np.array(devices), ("fsdp",)), True),
-        "tp": (Mesh(np.array(devices), ("tp",)), False),
-        "fsdp-tp": (Mesh(np.array(devices).reshape(2, 4), ("fsdp", "tp")), False)}
+        "fsdp": (Mesh(np.array(devices), ("fsdp",), axis_types=kind), False),
+        "fsdp-batch": (Mesh(np.array(devices), ("fsdp",), axis_types=kind), True),
+        "tp": (Mesh(np.array(devices), ("tp",), axis_types=kind), False),
+        "fsdp-tp": (Mesh(np.array(devices).reshape(2, 4), ("fsdp", "tp"),
+                         axis_types=kind * 2), False)}
     if not meshes:
         print("[scale] fewer than 8 devices: single-device cells only", flush=True)
     return [(one, False) if n == "1" else meshes[n] for n in names.split(",")
@@ -506,6 +404,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--name", default="scale", help="the results' file name")
     parser.add_argument("--target", default=None, choices=("h100", "h200"),
                         help="compile for this GPU, deviceless (one and 8 of them)")
+    parser.add_argument("--axes", default="auto",
+                        help="the meshes' axis types, auto and/or explicit (sharding in "
+                             "types), comma-separated: each layout under each")
     args = parser.parse_args(argv)
     out = C.out_dir(args.out)
     if args.target:
@@ -519,7 +420,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for name in models:
         for method in args.methods.split(","):
             for dtype_name in args.dtypes.split(","):
-                for m, per_device in layouts(args.layouts, args.target):
+                for m, per_device in (cell for axes in args.axes.split(",")
+                                      for cell in layouts(args.layouts, args.target, axes)):
                     if name == "llama-3-70b" and method == "full" and layout_name(m) == "1 device":
                         continue  # 70B full FT on one device: ~1.1 TiB, nothing to learn
                     row = measure(name, method, dtype_name, m, per_device, args.target)
@@ -530,10 +432,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
                           f"({row['compile_s']:.0f} s)", flush=True)
     md = [markdown(rows)]
     if args.target:
-        from .gpu_compile import TARGETS
         counts = sorted({r["devices"] for r in rows})
         how_many = " and for ".join("one" if n == 1 else str(n) for n in counts)
-        md.append(f"Compiled for {how_many} {TARGETS[args.target]['description']} (on one host) "
+        md.append(f"Compiled for {how_many} {GPUS[args.target]['description']} (on one host) "
                   f"by jax {jax.__version__}'s CUDA plugin, deviceless: XLA's plan for the "
                   "card, not a run.")
     C.write_results(out, args.name, rows, md, plot=draw)

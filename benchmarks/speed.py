@@ -1,27 +1,16 @@
 """Training-step speed: full fine-tuning, naive / hand-written LoRA, lorax, quax, and the floor.
 
-Every implementation (see `benchmarks/_impls.py`) is a jitted step: loss, gradient,
-`optax.adam`, apply. Method:
-
-1. Build and compile every step of every cell first (first call), check that all
-   implementations give the same first-step loss, and time one warm call to pick, per
-   cell, how many back-to-back steps one measurement holds (`n_inner`, so that the
-   fastest implementation's measurement lasts >= `--min-measure` seconds) and how many
-   rounds fit the time budget.
-2. Interleaved rounds in one process: each round runs every implementation once (one
-   measurement of `n_inner` steps, `block_until_ready` at the end) per cell, in an order
-   that rotates with the round and the cell.
-3. Paired ratios per round (implementation / full FT, implementation / hand-written
-   LoRA, both from the same round and cell), medians over rounds.
-
-Also recorded per cell: whether each step's compiled HLO is the hand-written step's
-(same instructions and dot dimension numbers, names and argument order ignored), and the
-Python cost of flattening its arguments and unflattening its outputs (the pytree part of
-jit's per-call dispatch).
-
-Training state (parameters being trained, optimizer state) is threaded from step to step
-and donated to the step in every implementation, as a training loop would do; frozen
-weights and the batch are plain (not donated) jit arguments.
+Every implementation (`benchmarks._models.build`) is a jitted step (loss, gradient,
+`optax.adam`, apply), its training state threaded from step to step and donated, as a
+training loop would; frozen weights and the batch plain jit arguments. Every step of every
+cell is compiled and called first (all must give the same first-step loss), one warm call
+sets each cell's `n_inner` (the fastest step's measurement lasts `--min-measure` seconds)
+and the rounds that fit `--budget`; then interleaved rounds in one process (every
+implementation once per cell and round, in a rotating order), ratios to full FT and to
+hand-written LoRA paired within a round, medians over rounds. Also per cell: whether each
+step's compiled HLO is the hand-written step's (instructions and dot dimension numbers,
+names and argument order ignored), and the Python cost of flattening its arguments and
+unflattening its outputs (the pytree part of jit's per-call dispatch).
 
     python -m benchmarks.speed            # default grid, <= ~15 min on 2 cores
     python -m benchmarks.speed --quick    # ~1 min smoke run
@@ -32,7 +21,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -40,12 +28,8 @@ from typing import Any
 import jax
 import numpy as np
 
-if __package__ in (None, ""):  # `python benchmarks/speed.py`
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    __package__ = "benchmarks"
-
-from . import _common as C  # noqa: E402
-from . import _impls as I  # noqa: E402
+from . import _common as C
+from . import _models as M
 
 MLP_GRID = dict(batch=(64, 256, 1024), dim=(512, 1024, 2048), rank=(1, 8, 64))
 ATTN_GRID = dict(shape=((16, 128, 256), (8, 256, 512), (4, 512, 1024)), rank=(8, 64))
@@ -53,7 +37,7 @@ QUICK_MLP_GRID = dict(batch=(32,), dim=(64,), rank=(4,))
 QUICK_ATTN_GRID = dict(shape=((2, 16, 64),), rank=(4,))
 
 
-def _runner(built: I.Built) -> C.Step:
+def _runner(built: M.Built) -> C.Step:
     """One implementation's jitted step and the state it threads."""
     r = C.Step(built.jit(), built.state, built.const)
     r.built, r.first_loss = built, float("nan")
@@ -106,8 +90,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--min-rounds", type=int, default=None, help="default 5; quick 2")
     p.add_argument("--min-measure", type=float, default=0.02,
                    help="seconds one measurement should last at least (sets n_inner)")
-    p.add_argument("--impls", default=",".join(I.IMPLS),
-                   help=f"comma-separated subset of {','.join(I.IMPLS)}")
+    p.add_argument("--impls", default=",".join(M.IMPLS),
+                   help=f"comma-separated subset of {','.join(M.IMPLS)}")
     p.add_argument("--grids", default="mlp,attn", help="mlp, attn or both")
     for axis in ("batch", "dim", "rank"):
         p.add_argument(f"--mlp-{axis}", default=None,
@@ -126,7 +110,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     a.min_rounds = a.min_rounds or (2 if a.quick else 5)
     a.impls = [i for i in a.impls.split(",") if i]
     for i in a.impls:
-        if i not in I.IMPLS:
+        if i not in M.IMPLS:
             p.error(f"unknown implementation {i!r}")
     for must in ("full_ft", "hand_lora"):  # the two references of the paired ratios
         if must not in a.impls:
@@ -152,8 +136,8 @@ def _cell_specs(a: argparse.Namespace) -> list[tuple[str, int, int, int, int]]:
     return specs
 
 
-def _model(grid: str, b: int, s: int, d: int) -> I.Model:
-    return I.mlp(b, d) if grid == "mlp" else I.attention(b, s, d)
+def _model(grid: str, b: int, s: int, d: int) -> M.Model:
+    return M.mlp(b, d) if grid == "mlp" else M.attention(b, s, d)
 
 
 def _cells(a: argparse.Namespace) -> list[Cell]:
@@ -163,13 +147,13 @@ def _cells(a: argparse.Namespace) -> list[Cell]:
         key = (grid, b, s, d)
         if key not in shared:
             model = _model(grid, b, s, d)
-            w, x = I.make_weights(model), I.make_x(model)
-            indep = {n: _runner(I.build(n, model, w, x)) for n in ("full_ft", "floor") if n in a.impls}
+            w, x = M.make_weights(model), M.make_x(model)
+            indep = {n: _runner(M.build(n, model, w, x)) for n in ("full_ft", "floor") if n in a.impls}
             shared[key] = (model, w, x, indep)
         model, w, x, indep = shared[key]
         runners = {}
         for n in a.impls:
-            runners[n] = indep[n] if n in indep else _runner(I.build(n, model, w, x, rank=k))
+            runners[n] = indep[n] if n in indep else _runner(M.build(n, model, w, x, rank=k))
         cells.append(Cell(grid, b, s, d, k, runners))
     return cells
 
@@ -242,10 +226,10 @@ def _hlo_only(a: argparse.Namespace, out: Path) -> Path:
     for grid, bt, sq, d, k in _cell_specs(a):
         label = _label(bt, sq, d, k)
         model = _model(grid, bt, sq, d)
-        w, x = I.make_weights(model, abstract=True), I.make_x(model, abstract=True)
+        w, x = M.make_weights(model, abstract=True), M.make_x(model, abstract=True)
         sig, cost = {}, {}
         for n in a.impls:
-            b = I.build(n, model, w, x, rank=k, abstract=True)
+            b = M.build(n, model, w, x, rank=k, abstract=True)
             sig[n] = C.hlo_signature(b.jit().lower(*b.args).compile().as_text())
             cost[n] = 1e6 * _pytree_cost(b.fn, b.args)
         for n in a.impls:
@@ -277,7 +261,7 @@ def _markdown(rows: list[dict], names: list[str], problems: list[str]) -> list[s
 
     # targets
     md += ["### Target: lorax / hand-written <= 1.05 in every cell", ""]
-    for n in (x for x in I.LORAX_IMPLS if x in names):
+    for n in (x for x in M.LORAX_IMPLS if x in names):
         bad = [(c, get(c, n)) for c in cells if get(c, n)["ratio_hand"] > 1.05]
         worst = max(get(c, n)["ratio_hand"] for c in cells)
         if not bad:
@@ -325,7 +309,7 @@ def _markdown(rows: list[dict], names: list[str], problems: list[str]) -> list[s
         md += ["", f"### {title}", "",
                "Median ms per step (ratio to full FT); last columns: lorax / hand-written "
                "(median of paired ratios, [p25, p75]).", ""]
-        head = ["cell"] + [n for n in names] + [f"{n} / hand" for n in I.LORAX_IMPLS if n in names]
+        head = ["cell"] + [n for n in names] + [f"{n} / hand" for n in M.LORAX_IMPLS if n in names]
         trows = []
         for c in gc_:
             row = [label[c]]
@@ -333,7 +317,7 @@ def _markdown(rows: list[dict], names: list[str], problems: list[str]) -> list[s
                 r = get(c, n)
                 row.append(f"{r['median_ms']:.2f}" if n == "full_ft"
                            else f"{r['median_ms']:.2f} ({r['ratio_ft']:.2f})")
-            for n in (x for x in I.LORAX_IMPLS if x in names):
+            for n in (x for x in M.LORAX_IMPLS if x in names):
                 r = get(c, n)
                 row.append(f"{r['ratio_hand']:.3f} [{r['ratio_hand_p25']:.2f}, {r['ratio_hand_p75']:.2f}]"
                            + ("" if r["hlo_same_as_hand"] is not False else " (HLO differs)"))
@@ -346,7 +330,7 @@ def _markdown(rows: list[dict], names: list[str], problems: list[str]) -> list[s
            "ratios paired within a round, medians over rounds. Training state donated in "
            "every implementation; frozen weights passed as jit arguments. Loss = mean "
            "square of the output; `optax.adam(1e-3)`.", ""]
-    md += ["Implementations:", ""] + [f"- `{n}`: {I.DESCRIPTIONS[n]}" for n in names]
+    md += ["Implementations:", ""] + [f"- `{n}`: {M.DESCRIPTIONS[n]}" for n in names]
     return md
 
 

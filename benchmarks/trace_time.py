@@ -15,19 +15,14 @@ from __future__ import annotations
 
 import argparse
 import gc
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import jax
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    __package__ = "benchmarks"
-
-from . import _common as C  # noqa: E402
-from . import _impls as I  # noqa: E402
+from . import _common as C
+from . import _models as M
 
 IMPLS = ("hand_lora", "lorax_partition", "lorax_wrap")
 DIM, BATCH, RANK = 256, 64, 8
@@ -36,8 +31,8 @@ DIM, BATCH, RANK = 256, 64, 8
 def _time_one(impl: str, layers: int) -> tuple[float, float, float, float]:
     """(trace + lower, compile, trace alone, trace + lower process CPU time) seconds;
     `.lower()` is `.trace().lower()`."""
-    model = I.mlp(BATCH, DIM, layers=layers)
-    b = I.build(impl, model, I.make_weights(model, abstract=True), I.make_x(model, abstract=True),
+    model = M.mlp(BATCH, DIM, layers=layers)
+    b = M.build(impl, model, M.make_weights(model, abstract=True), M.make_x(model, abstract=True),
                 rank=RANK, donate=True, abstract=True)
     jitted = b.jit()
     c0 = time.process_time()

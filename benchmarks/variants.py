@@ -20,33 +20,23 @@ ratio paired with `lora` within its round, medians. Memory: XLA's compiled
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Any
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    __package__ = "benchmarks"
-
 import jax
 import jax.numpy as jnp
-import optax
 from jax import lax
 
 import lorax
 
 from . import _common as C
-from . import adapters, qlora
+from . import _models as M
 
 IMPLS = ("lora", "dora", "hand_dora", "dropout")
 DEFAULT = dict(batch=(64, 256, 1024), dim=(512, 1024, 2048), rank=(8, 64), scan=(512, 1024),
                rounds=5)
 QUICK = dict(batch=(32,), dim=(128,), rank=(4,), scan=(128,), rounds=2)
 DROPOUT = 0.1
-
-
-def _is_lora(x: Any) -> bool:
-    return isinstance(x, lorax.LoraWeight)
 
 
 def _hand_dora_dot(x: jax.Array, w: Any) -> jax.Array:
@@ -61,40 +51,30 @@ def _hand_dora_dot(x: jax.Array, w: Any) -> jax.Array:
 
 
 def _build(model: str, d: int, rank: int, impl: str, x: jax.Array) -> tuple[C.Step, Any]:
+    dora = impl.endswith("dora")
     if model == "mlp":
-        params, apply = adapters.mlp_params(d), adapters.mlp
-        spec = {k: lorax.LoraSpec(rank, dora=impl.endswith("dora")) for k in params}
+        params, apply = M.mlp_params(d), M.mlp_apply
+        spec = {k: lorax.LoraSpec(rank, dora=dora) for k in params}
     else:
-        params, apply = qlora._scan_params(d), qlora._scan_apply
-        ls = lorax.LoraSpec(rank, batch_ndim=1, m_ndim=1, dora=impl.endswith("dora"))
+        params, apply = M.scan_params(d), M.scan_apply
+        ls = lorax.LoraSpec(rank, batch_ndim=1, m_ndim=1, dora=dora)
         spec = {"layers": {k: ls for k in params["layers"]}, "norm": lorax.LORA_FREEZE}
-    lp = lorax.init_lora(params, spec, jax.random.PRNGKey(1), alpha=2.0 * rank)
-
-    def nudge(w: Any) -> Any:  # non-zero b: the norm's cross terms are real work
-        if isinstance(w, lorax.DoraWeight):
-            return lorax.DoraWeight(w.w, w.a, jnp.full_like(w.b, 0.01), w.m, w.alpha)
-        return lorax.LoraWeight(w.w, w.a, jnp.full_like(w.b, 0.01), w.alpha) if _is_lora(w) else w
-
-    lp = jax.tree.map(nudge, lp, is_leaf=_is_lora)
+    # (a non-zero b: the norm's cross terms are real work)
+    lp = M.nonzero_b(lorax.init_lora(params, spec, jax.random.PRNGKey(1), alpha=2.0 * rank))
     trainable, frozen = lorax.partition(lp, spec)
     keyed = impl == "dropout"
     if impl == "hand_dora":
         def loss(t, f, x):
             return jnp.mean(apply(lorax.combine(t, f), x, _hand_dora_dot) ** 2)
     else:
-        fn = lorax.lora(lambda p, x: apply(p, x, qlora._plain_dot), on_materialize="error")
+        fn = lorax.lora(lambda p, x: apply(p, x, M.plain_dot), on_materialize="error")
         if keyed:
             def loss(t, f, x, key):
                 return jnp.mean(fn(lorax.dropout(lorax.combine(t, f), key, DROPOUT), x) ** 2)
         else:
             def loss(t, f, x):
                 return jnp.mean(fn(lorax.combine(t, f), x) ** 2)
-    opt = optax.adam(1e-3)
-    step = jax.jit(C.train_step(loss, opt, with_loss=False), donate_argnums=(0, 1))
-    extra = (jax.random.key(0),) if keyed else ()
-    compiled = step.lower(trainable, opt.init(trainable), frozen, x, *extra).compile()
-    state = (jax.tree.map(jnp.copy, trainable), opt.init(trainable))
-    return C.Step(step, state, (frozen, x), aux=False, keyed=keyed), compiled
+    return C.train_runner(loss, trainable, (frozen, x), keyed=keyed)
 
 
 class Cell:

@@ -23,6 +23,8 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from benchmarks import _cuda as X  # noqa: E402
+from benchmarks import _llama as L  # noqa: E402
 from benchmarks import gpu_compile as G  # noqa: E402
 from benchmarks import scale as S  # noqa: E402
 
@@ -152,15 +154,15 @@ def test_products_of_a_compiled_scan_and_its_gradient():
 
 
 def test_flags_combine_and_an_unknown_one_is_named():
-    both = G.options("pipelined+dequant")
-    assert both == {**G.FLAGS["pipelined"], **G.FLAGS["dequant"]} and G.options("default") == {}
+    both = X.options("pipelined+dequant")
+    assert both == {**X.FLAGS["pipelined"], **X.FLAGS["dequant"]} and X.options("default") == {}
     with pytest.raises(ValueError, match="'fused'"):
-        G.options("pipelined+fused")
+        X.options("pipelined+fused")
 
 
 def test_target_configs_name_their_card():
-    for target, facts in G.TARGETS.items():
-        text = G.target_config(target)
+    for target, facts in X.TARGETS.items():
+        text = X.target_config(target)
         assert f"core_count: {facts['core_count']}" in text
         assert f'device_description_str: "{facts["description"]}"' in text
 
@@ -177,8 +179,8 @@ needs_plugin = pytest.mark.skipif(not _has_cuda_plugin(),
 
 
 def _one_layer_of_host_stacks_mib() -> float:
-    cfg = S.config("tiny", "cudnn", "layer")
-    abstract, spec = S.build(cfg, "qlora-nf4", jnp.bfloat16)
+    cfg = L.config("tiny", "cudnn", "layer")
+    abstract, spec = L.build(cfg, "qlora-nf4", jnp.bfloat16)
     frozen = lorax.offload_frozen(lorax.partition(abstract, spec)[1])
     stacks = [x for x in jax.tree_util.tree_leaves(frozen["layers"])
               if getattr(x.sharding, "memory_kind", None) == "pinned_host" and x.ndim >= 2]
@@ -201,8 +203,8 @@ def test_pipelined_host_offloading_moves_the_next_layer_in_both_passes():
 @needs_plugin
 def test_a_barrier_on_the_recomputation_keeps_the_backward_loop_waiting(monkeypatch):
     # The control: the example's scanned layer under `prevent_cse=True`.
-    remat = S.LLAMA.remat
-    monkeypatch.setattr(S.LLAMA, "remat", lambda cfg, fn, **_: remat(cfg, fn))
+    remat = L.LLAMA.remat
+    monkeypatch.setattr(L.LLAMA, "remat", lambda cfg, fn, **_: remat(cfg, fn))
     assert G.measure("h200", "tiny:qlora-nf4+host:pipelined")["prefetching_loops"] == 1
 
 
@@ -222,8 +224,8 @@ def test_gpu_compile_writes_its_table(tmp_path):
 def test_the_optimizer_state_in_host_memory_leaves_the_device_arguments():
     host = G.measure("h200", "tiny:qlora-nf4+host:default")
     state = G.measure("h200", "tiny:qlora-nf4+host+state:default")
-    cfg = S.config("tiny", "cudnn", "layer")
-    trainable = lorax.partition(*S.build(cfg, "qlora-nf4", jnp.bfloat16))[0]
+    cfg = L.config("tiny", "cudnn", "layer")
+    trainable = lorax.partition(*L.build(cfg, "qlora-nf4", jnp.bfloat16))[0]
     moments = 2 * sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize
                       for x in jax.tree_util.tree_leaves(trainable))  # Adam's mu and nu
     assert (host["device_args_gib"] - state["device_args_gib"]) * G.GiB == pytest.approx(
@@ -234,7 +236,7 @@ def test_the_optimizer_state_in_host_memory_leaves_the_device_arguments():
 
 @needs_plugin
 def test_memory_gib_is_the_memory_xla_plans_for():
-    assert "device_memory_size: 25769803776" in G.target_config("h200", 24)
+    assert "device_memory_size: 25769803776" in X.target_config("h200", 24)
     row = G.measure("h200", "tiny:qlora-nf4+host:pipelined", memory_gib=24)
     assert row["memory_gib"] == 24 and row["prefetching_loops"] == 2
 
@@ -255,7 +257,7 @@ def _dequantizations(scale_dtype, flags: str, qtype: str = "int8", block_size: i
         return jax.grad(loss, argnums=(0, 1))(t, x)
     x = jax.ShapeDtypeStruct((512, 1024), jnp.bfloat16)
     text = jax.jit(step).trace(trainable, frozen, x).lower(lowering_platforms=("cuda",)).as_text()
-    executable = G.compile_for(text, "h200", G.options(flags))
+    executable = X.compile_for(text, "h200", X.options(flags))
     return G.dense_writes(executable.hlo_modules()[0].to_string(), min_values=2**20)
 
 
@@ -277,14 +279,14 @@ def test_int4_stacks_are_not_laid_out_again_for_the_backward_product(monkeypatch
     # The 8B step's stacked int4 codes, whole, would be 1.8 GiB of copies (gate/up and
     # down): the tiny model's stacks are what is checked here, with XLA's relayout as the
     # control.
-    cfg = S.config("tiny", "cudnn", "layer")
-    abstract, spec = S.build(cfg, "qlora-s4-bf16", jnp.bfloat16)
+    cfg = L.config("tiny", "cudnn", "layer")
+    abstract, spec = L.build(cfg, "qlora-s4-bf16", jnp.bfloat16)
     codes = [x for x in jax.tree_util.tree_leaves(lorax.partition(abstract, spec)[1])
              if x.dtype == jnp.int4 and x.ndim == 4]
     stack = max(math.prod(x.shape) for x in codes) // 2  # bytes, packed
     kept = G.measure("h200", "tiny:qlora-s4-bf16:dequant")
-    monkeypatch.setitem(G.FLAGS, "relayout", {
-        **G.FLAGS["dequant"], "xla_gpu_experimental_pack_dot_operands_along_k_dimension": True})
+    monkeypatch.setitem(X.FLAGS, "relayout", {
+        **X.FLAGS["dequant"], "xla_gpu_experimental_pack_dot_operands_along_k_dimension": True})
     relaid = G.measure("h200", "tiny:qlora-s4-bf16:relayout")
     assert kept["dense_writes"] == relaid["dense_writes"] == 0
     assert (relaid["device_temps_gib"] - kept["device_temps_gib"]) * G.GiB >= stack
@@ -311,6 +313,13 @@ def test_collective_bytes_count_what_an_async_start_makes_not_its_operands():
     assert got["all-reduce"] == 4 and got["reduce-scatter"] == 8 * 128 * 4
 
 
+def test_collective_bytes_count_a_tuple_of_six_or_more():
+    # XLA writes `/*index=5*/` before a tuple's sixth shape; its `=` once hid the op.
+    shapes = ", ".join(["f32[2,4]{1,0}"] * 5 + ["/*index=5*/f32[2,4]{1,0}"])
+    text = f"ENTRY %main () -> f32[] {{\n  %ar = ({shapes}) all-reduce(%a), to_apply=%add\n}}\n"
+    assert S.collective_bytes(text)["all-reduce"] == 6 * 2 * 4 * 4
+
+
 @needs_plugin
 def test_scale_compiles_for_one_and_for_eight_gpus(tmp_path):
     rows = S.main(["--quick", "--target", "h100", "--methods", "qlora-nf4", "--dtypes", "bf16",
@@ -330,7 +339,7 @@ def test_cublas_products_read_stacked_weights_in_place_and_redo_the_saved_ones()
     Triton GEMMs read a copy of each layer's weights, forward and backward; as cuBLAS calls
     they read them in place (remat `layer`: the same products), but with remat `dots` a
     product whose output is saved runs twice (gate and up at least)."""
-    n, d, f, h, kv, seq = S.MODELS["llama-3-8b"]
+    n, d, f, h, kv, seq = L.MODELS["llama-3-8b"]
     hd = d // h
     layer_weights = 2 * (d * h * hd + 2 * d * kv * hd + h * hd * d + 3 * d * f)  # bf16 bytes
     run = {c: G.measure("h200", f"llama-3-8b:lora:{c}") for c in
@@ -345,7 +354,7 @@ def test_cublas_products_read_stacked_weights_in_place_and_redo_the_saved_ones()
 
 @needs_plugin
 def test_remat_offload_keeps_every_layers_input_in_host_memory():
-    n, d, *_, seq = S.MODELS["tiny"]
+    n, d, *_, seq = L.MODELS["tiny"]
     layer = G.measure("h200", "tiny:qlora-nf4:default:layer", batch=2)
     offload = G.measure("h200", "tiny:qlora-nf4:default:offload", batch=2)
     kept = 2 * n * seq * d * 2  # both windows' bf16 layer inputs, every layer

@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks import _impls, blocks, dispatch, memory, qlora, speed, trace_time  # noqa: E402
+from benchmarks import _models, blocks, dispatch, memory, qlora, speed, trace_time  # noqa: E402
 
 
 def _rows(path: Path) -> list[dict[str, str]]:
@@ -26,13 +26,14 @@ def _rows(path: Path) -> list[dict[str, str]]:
         return list(csv.DictReader(f))
 
 
+@pytest.mark.slow  # CI time: the benchmark's smoke run
 def test_speed_quick(tmp_path):
     speed.main(["--quick", "--out", str(tmp_path)])
     rows = _rows(tmp_path / "speed.csv")
     md = (tmp_path / "speed.md").read_text()
-    assert {r["impl"] for r in rows} == set(_impls.IMPLS)
+    assert {r["impl"] for r in rows} == set(_models.IMPLS)
     assert {r["grid"] for r in rows} == {"mlp", "attn"}
-    for impl in _impls.IMPLS:
+    for impl in _models.IMPLS:
         assert f"`{impl}`" in md
     assert "lorax / hand-written" in md and "**cpu**" in md and "**jax**" in md
     assert "MISMATCH" not in md and "mismatches" not in md  # same first-step loss everywhere
@@ -45,8 +46,8 @@ def test_memory_quick(tmp_path):
     memory.main(["--quick", "--out", str(tmp_path)])
     rows = _rows(tmp_path / "memory.csv")
     md = (tmp_path / "memory.md").read_text()
-    assert {r["impl"] for r in rows} == set(_impls.IMPLS)
-    for impl in _impls.IMPLS:
+    assert {r["impl"] for r in rows} == set(_models.IMPLS)
+    for impl in _models.IMPLS:
         assert f"`{impl}`" in md
 
     def get(case, impl, donated):
@@ -72,6 +73,7 @@ def test_memory_quick(tmp_path):
         assert int(get(case, "naive_lora", "False")["w_shaped_ops"]) > 0
 
 
+@pytest.mark.slow  # CI time: the benchmark's smoke run
 def test_trace_time_quick(tmp_path):
     trace_time.main(["--quick", "--out", str(tmp_path)])
     rows = _rows(tmp_path / "trace_time.csv")
@@ -140,6 +142,7 @@ def test_variants_quick(tmp_path):
     assert "`dora` / lora" in (tmp_path / "variants.md").read_text()
 
 
+@pytest.mark.slow  # CI time: the benchmark's smoke run (ragged_dot's claims: tests/test_ragged.py)
 def test_moe_quick(tmp_path):
     from benchmarks import moe
 
@@ -151,6 +154,7 @@ def test_moe_quick(tmp_path):
     assert "lorax / hand" in (tmp_path / "moe.md").read_text()
 
 
+@pytest.mark.slow  # CI time: the benchmark's smoke run (the stacked adapters' claims: tests/test_stack.py)
 def test_adapters_quick(tmp_path):
     from benchmarks import adapters
 
@@ -167,6 +171,7 @@ def test_adapters_quick(tmp_path):
     assert "together / separate" in (tmp_path / "adapters.md").read_text()
 
 
+@pytest.mark.slow  # CI time: the benchmark's smoke run
 def test_checkpoint_load_quick(tmp_path):
     """A sharded bf16 checkpoint quantized on load, and read whole then quantized: each
     measured in its own process; the table and its columns are written."""
@@ -197,6 +202,7 @@ def test_offload_quick(tmp_path):
     assert abs(total(host) - total(on_device)) < 1e-9
 
 
+@pytest.mark.slow  # CI time: the benchmark's smoke run (weight_slices: tests/examples/test_llama_layers.py)
 def test_layers_quick(tmp_path):
     """The tiny Llama compiled with stacked and with unrolled layers: the scanned step
     slices every layer's weights out of their stacks, the unrolled one none."""
@@ -232,6 +238,7 @@ def test_scale_quick(tmp_path, method):
         assert eight["all-gather_gib"] > 0
 
 
+@pytest.mark.slow  # ~110 s on 2 cores: the card cells' CPU smoke; their parts are tested below
 def test_accelerator_quick(tmp_path):
     """The accelerator benchmark's smoke run on whatever device is here: every JAX cell runs
     in its own process, a real step with finite losses, XLA's memory figures and an MFU;
@@ -273,14 +280,14 @@ def test_accelerator_flops_count_every_matrix_product():
     shapes, independently of the benchmark's formula; 4N + 12 L d T for LoRA."""
     import math
 
-    from benchmarks import accelerator, scale
+    from benchmarks import _llama as L, accelerator
 
     for model in ("tiny", "llama-3-8b", "llama-3-70b"):
-        params = scale.abstract_params(scale.config(model), jax.numpy.bfloat16)
-        kernels = [params["embed"], *(params["layers"][k] for k in scale.TARGETS)]
+        params = L.abstract_params(L.config(model), jax.numpy.bfloat16)
+        kernels = [params["embed"], *(params["layers"][k] for k in L.TARGETS)]
         n = sum(math.prod(x.shape) for x in kernels)
         assert accelerator.matmul_params(model) == n
-        layers, dim, *_, seq = scale.MODELS[model]
+        layers, dim, *_, seq = L.MODELS[model]
         assert accelerator.flops_per_token(model, "lora", seq) == 4 * n + 12 * layers * dim * seq
         assert accelerator.flops_per_token(model, "full", seq) == 6 * n + 12 * layers * dim * seq
     # Llama-3-8B at 2048 tokens: 7.50e9 matrix parameters, 33.2 GFLOP a token for LoRA.
@@ -377,15 +384,15 @@ def test_device_step_fills_unrolled_layers_with_one_program_per_leaf_signature()
     leaf's own key gives."""
     import jax.numpy as jnp
 
-    from benchmarks import _device_step as D, scale as S
+    from benchmarks import _llama as L
 
-    cfg = S.config("tiny")
+    cfg = L.config("tiny")
     counts = {}
     for n_layers in (2, 6):
-        D._device_fill.clear_cache()
-        abstract, _ = S.build(cfg._replace(n_layers=n_layers), "qlora-nf4", jnp.bfloat16, "unrolled")
-        params = D.materialise(abstract)
-        counts[n_layers] = D._device_fill._cache_size()
+        L._device_fill.clear_cache()
+        abstract, _ = L.build(cfg._replace(n_layers=n_layers), "qlora-nf4", jnp.bfloat16, "unrolled")
+        params = L.materialise(abstract)
+        counts[n_layers] = L._device_fill._cache_size()
     assert counts[2] == counts[6] > 1  # per signature, not per layer
     paths = jax.tree_util.tree_flatten_with_path(
         abstract, is_leaf=lambda x: isinstance(x, lorax.QuantizedArray))[0]
@@ -393,11 +400,11 @@ def test_device_step_fills_unrolled_layers_with_one_program_per_leaf_signature()
                            if isinstance(pn[1], lorax.QuantizedArray))
     made = jax.tree_util.tree_leaves(params, is_leaf=lambda x: isinstance(x, lorax.QuantizedArray))[i]
     key = jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(0), i), 0)
-    want = D._fill(jax.tree.leaves(node)[0], key, True)
+    want = L._fill(jax.tree.leaves(node)[0], key, True)
     assert jnp.array_equal(jax.tree.leaves(made)[0], want)
     block = np.arange(7, dtype=np.uint8)  # host codes: one random block repeated
     for n in (3, 7, 23):
-        assert np.array_equal(D._repeated(block, n), np.resize(block, n))
+        assert np.array_equal(L._repeated(block, n), np.resize(block, n))
 
 
 def test_accelerator_host_cap_holds_only_host_cells_to_a_smaller_card(monkeypatch):
@@ -498,6 +505,25 @@ def test_scale_quick_tensor_parallel(tmp_path):
     assert "FSDP 2 x TP 4" in (tmp_path / "scale_tp.md").read_text()
 
 
+def test_scale_quick_under_explicit_axes(tmp_path):
+    """The examples' Llama on a mesh of Explicit axes (`llama.Layout`), FSDP with a window
+    per device: the same per-device arguments as the Auto mesh's step, collectives within
+    1.05x its bytes; one window split along its tokens is refused by name."""
+    from benchmarks import scale
+
+    if jax.device_count() < 8:
+        pytest.skip("needs 8 devices")
+    with pytest.raises(ValueError, match="layout 'fsdp'.*fsdp-batch"):
+        scale.layouts("fsdp", None, "explicit")
+    auto, explicit = scale.main(["--quick", "--methods", "lora", "--dtypes", "f32",
+                                 "--layouts", "fsdp-batch", "--axes", "auto,explicit",
+                                 "--name", "scale_explicit", "--out", str(tmp_path)])
+    assert (auto["layout"], explicit["layout"]) == ("FSDP x8", "FSDP x8, Explicit")
+    assert explicit["args_gib"] == auto["args_gib"]
+    moved = [sum(r[f"{k}_gib"] for k in scale.KINDS) for r in (auto, explicit)]
+    assert 0 < moved[1] <= 1.05 * moved[0]
+
+
 def test_quant_error_quick(tmp_path):
     """Round-trip errors per format: s4 with its extreme at code -8 beats its first
     quantizer (absmax / 7) on both weight distributions, and bf16 scales cost it nothing."""
@@ -523,12 +549,12 @@ def test_remat_dots_recomputes_lorax_rank_expansions_where_hand_written_lora_kee
 
     import optax
 
-    from benchmarks import _device_step as D, gpu_compile as G, scale as S
+    from benchmarks import _llama as L, gpu_compile as G
 
     def expansions(method: str) -> tuple[float, collections.Counter]:
-        monkeypatch.setattr(S.LLAMA, "block", S.LLAMA.block)  # `setup` swaps it for "hand"
-        cfg, seq = S.config("tiny", "xla", "dots"), S.MODELS["tiny"][-1]
-        trainable, frozen, loss = D.setup(cfg, method)
+        monkeypatch.setattr(L.LLAMA, "block", L.LLAMA.block)  # `setup` swaps it for "hand"
+        cfg, seq = L.config("tiny", "xla", "dots"), L.MODELS["tiny"][-1]
+        trainable, frozen, loss = L.setup(cfg, method)
         opt = optax.adam(1e-4)
 
         def step(t, f, s, w):
@@ -540,13 +566,13 @@ def test_remat_dots_recomputes_lorax_rank_expansions_where_hand_written_lora_kee
             (1, seq + 1), jax.numpy.int32)).compile().as_text()
         found = collections.Counter()  # (tokens, out) products over the rank: by `out`
         for (out, k), n in G.products(hlo).items():
-            if k == S.RANK and len(out) == 2 and out[0] == seq:
+            if k == L.RANK and len(out) == 2 and out[0] == seq:
                 found[out[1]] += n
         return G.product_tflop(hlo), found
 
-    seq = S.MODELS["tiny"][-1]
+    seq = L.MODELS["tiny"][-1]
     (lora, lora_x), (hand, hand_x) = expansions("lora"), expansions("hand")
-    extra = sum(2 * seq * S.RANK * out * (lora_x[out] - hand_x[out]) for out in lora_x)
+    extra = sum(2 * seq * L.RANK * out * (lora_x[out] - hand_x[out]) for out in lora_x)
     assert extra > 0 and (lora - hand) * 1e12 == pytest.approx(extra)
     assert all(hand_x[out] <= lora_x[out] <= 2 * hand_x[out] for out in hand_x)
 

@@ -29,7 +29,7 @@ import sys
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-PACKAGES = ["lorax"]
+PACKAGES = ["lorax", "benchmarks"]
 LAZY = "# lazy:"
 
 

@@ -87,27 +87,43 @@ def test_norm_weights_are_ones_and_quantized_weights_are_spread_as_dense_ones(me
     import jax.numpy as jnp
 
     import lorax
-    from benchmarks import _device_step as D
-    from benchmarks import scale as S
+    from benchmarks import _llama as L
 
-    cfg = S.config("tiny")
+    cfg = L.config("tiny")
     if method == "hand":
-        abstract = S.abstract_params(cfg, jnp.bfloat16, layers)
+        abstract = L.abstract_params(cfg, jnp.bfloat16, layers)
     else:
-        abstract, _ = S.build(cfg, method, jnp.bfloat16, layers)
-    scale = D.quant_scale_for(method) if method.startswith("qlora") else D.SCALE
-    params = D.materialise(abstract, seed=1, frozen_on_host=host, quant_scale=scale)
+        abstract, _ = L.build(cfg, method, jnp.bfloat16, layers)
+    scale = L.quant_scale_for(method) if method.startswith("qlora") else L.SCALE
+    params = L.materialise(abstract, seed=1, frozen_on_host=host, quant_scale=scale)
     is_q = lambda x: isinstance(x, lorax.QuantizedArray)  # noqa: E731
     leaves = jax.tree_util.tree_flatten_with_path(params, is_leaf=is_q)[0]
-    norms = [x for path, x in leaves if D.is_norm(path)]
+    norms = [x for path, x in leaves if L.is_norm(path)]
     assert len(norms) == 1 + 2 * (cfg.n_layers if layers == "unrolled" else 1)
     assert all(bool(jnp.all(x == 1)) for x in norms)
-    others = [x for path, x in leaves if not D.is_norm(path) and not is_q(x)]
+    others = [x for path, x in leaves if not L.is_norm(path) and not is_q(x)]
     assert not any(bool(jnp.all(x == 1)) for x in others)
     quantized = [float(jnp.std(q.dequantize().astype(jnp.float32))) for _, q in leaves if is_q(q)]
     assert bool(quantized) == method.startswith("qlora")
     if quantized:  # (calibrated on seed 0's draw; this is seed 1's)
-        assert 0.8 * D.WEIGHT_STD < np.mean(quantized) < 1.2 * D.WEIGHT_STD, quantized
+        assert 0.8 * L.WEIGHT_STD < np.mean(quantized) < 1.2 * L.WEIGHT_STD, quantized
+
+
+@pytest.mark.parametrize("method", ["lora", "qlora-nf4"])
+def test_lorax_cells_scale_their_adapters_as_the_pytorch_cells_do(method):
+    # PEFT's `lora_alpha / r` (B.LORA_ALPHA / B.RANK) is the lorax cells' `alpha / k`: at
+    # lorax's default alpha=1 the same steps learned 16 times slower (issue 52).
+    import jax
+    import jax.numpy as jnp
+
+    import lorax
+    from benchmarks import _llama as L
+
+    abstract, _ = L.build(L.config("tiny"), method, jnp.bfloat16)
+    is_lw = lambda x: isinstance(x, lorax.LoraWeight)  # noqa: E731
+    weights = [x for x in jax.tree_util.tree_leaves(abstract, is_leaf=is_lw) if is_lw(x)]
+    assert len(weights) == 7 and B.LORA_ALPHA / B.RANK == 1
+    assert all(w.a.shape[-2] == B.RANK and w.scale == B.LORA_ALPHA / B.RANK for w in weights)
 
 
 # -- the cells ----------------------------------------------------------------------------------

@@ -21,8 +21,8 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from benchmarks import _llama as S  # noqa: E402
 from benchmarks import context as X  # noqa: E402
-from benchmarks import scale as S  # noqa: E402
 
 L = S.LLAMA
 
@@ -168,6 +168,7 @@ def test_logits_whole_and_the_largest_buffer():
 # -- the card's confirming step ------------------------------------------------------------------
 
 
+@pytest.mark.slow  # CI time; mlp_chunk's values are checked above
 def test_confirm_runs_end_to_end_on_the_tiny_model(capsys):
     result = X.confirm(256, 2, 64, 128, 2, 600, model="tiny")
     line = [x for x in capsys.readouterr().out.splitlines() if x.startswith("RESULT ")]

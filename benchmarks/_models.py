@@ -1,31 +1,30 @@
-"""The training steps compared by the benchmarks, built for one model and one set of shapes.
+"""The CPU benchmarks' models and the training steps they compare.
 
-Every implementation is a function `step(*state, *const) -> (aux, *new_state)`:
-`state` is what a training loop threads from one step to the next (parameters being
-trained and the optimizer state; donated when `donate=True`), `const` is what stays
-(frozen weights, the batch). `aux` is the loss (or, for the floor, the input gradient).
+A `Model` is written with no LoRA in mind (`apply(dense, x)` calls `dense(name, x)` for
+every product with a weight); `build(impl, ...)` makes one implementation's step for it,
+`step(*state, *const) -> (aux, *new_state)`: `state` what a training loop threads from
+step to step (the parameters trained and the optimizer state; donated), `const` what
+stays (frozen weights, the batch), `aux` the loss (the floor's: the input gradient). All
+use `optax.adam(1e-3)` on what they train:
 
-Implementations (all use `optax.adam(1e-3)` on what they train):
+- `full_ft`: gradient and Adam on every weight;
+- `naive_lora`: `x @ (stop_gradient(W) + s * b @ a)`, the sum materialised;
+- `hand_lora`: `x @ stop_gradient(W) + ((x @ b) * s) @ a`, frozen weights a jit argument;
+- `lorax_partition`: the model in `lorax.lora`, `lorax.partition` outside the step and
+  `lorax.combine` inside (docs/training.md, path 1);
+- `lorax_wrap`: the lorax 0.3 path, `lorax.wrap_optimizer` over the whole tree (path 2);
+- `floor`: the frozen model's forward and backward to its input only, what any LoRA step
+  pays at least;
+- `quax_lora`: quax's own example, `quax.examples.lora.LoraArray` + `quax.quaxify`.
 
-- `full_ft`: full fine-tuning, gradient and Adam on every weight.
-- `naive_lora`: materialise `W_eff = stop_gradient(W) + s * b @ a`, then `x @ W_eff`;
-  gradient and Adam on the factors only.
-- `hand_lora`: hand-written LoRA, `x @ stop_gradient(W) + ((x @ b) * s) @ a`; gradient
-  and Adam on the factors only, frozen weights passed as a jit argument.
-- `lorax_partition`: the model unchanged, wrapped in `lorax.lora`; `lorax.partition`
-  outside the step, `lorax.combine(trainable, frozen)` inside, frozen passed as an
-  argument (docs/training.md, path 1).
-- `lorax_wrap`: the lorax 0.3 README path, `lorax.wrap_optimizer` over the whole LoRA
-  tree, `jax.value_and_grad` of the whole tree, `optax.apply_updates` (path 2).
-- `floor`: the frozen model's forward and backward with respect to the input only: what
-  any LoRA step has to pay at least.
-- `quax_lora`: quax's own example, `quax.examples.lora.LoraArray` + `quax.quaxify`, the
-  factors split off with `equinox.tree_at` and frozen weights passed as an argument.
+Also the models the variant, QLoRA and adapter benchmarks share (`mlp_params`, `scan_params`,
+`nnx_stack`) and `nonzero_b`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
 from collections.abc import Callable
 from typing import Any
@@ -40,17 +39,10 @@ from quax.examples.lora import LoraArray
 
 import lorax
 
-from ._common import train_step
+from ._common import own, train_step
 
-IMPLS = (
-    "full_ft",
-    "naive_lora",
-    "hand_lora",
-    "lorax_partition",
-    "lorax_wrap",
-    "floor",
-    "quax_lora",
-)
+IMPLS = ("full_ft", "naive_lora", "hand_lora", "lorax_partition", "lorax_wrap", "floor",
+         "quax_lora")
 LORAX_IMPLS = ("lorax_partition", "lorax_wrap")
 DESCRIPTIONS = {
     "full_ft": "(a) full fine-tuning",
@@ -62,6 +54,7 @@ DESCRIPTIONS = {
     "quax_lora": "(g) quax.examples.lora.LoraArray",
 }
 LR = 1e-3
+HAVE_QWIX = importlib.util.find_spec("qwix") is not None
 
 
 # -- models ------------------------------------------------------------------------
@@ -124,10 +117,8 @@ def make_weights(model: Model, seed: int = 0, abstract: bool = False) -> dict[st
     if abstract:
         return {n: jax.ShapeDtypeStruct(s, model.dtype) for n, s in model.shapes.items()}
     keys = jax.random.split(jax.random.PRNGKey(seed), len(model.shapes))
-    return {
-        n: jax.random.normal(k, s, model.dtype) / math.sqrt(s[0])
-        for k, (n, s) in zip(keys, model.shapes.items())
-    }
+    return {n: jax.random.normal(k, s, model.dtype) / math.sqrt(s[0])
+            for k, (n, s) in zip(keys, model.shapes.items())}
 
 
 def make_x(model: Model, seed: int = 1, abstract: bool = False) -> Any:
@@ -166,10 +157,7 @@ class Built:
 
 
 def _own(tree: Any, abstract: bool) -> Any:
-    """A private copy of every array, so that donating it deletes nothing shared."""
-    if abstract:
-        return tree
-    return jax.tree_util.tree_map(lambda a: jnp.array(a, copy=True), tree)
+    return tree if abstract else own(tree)
 
 
 def _init_state(opt: optax.GradientTransformation, trainable: Any, abstract: bool) -> Any:
@@ -295,7 +283,96 @@ def build(impl: str, model: Model, weights: dict[str, Any], x: Any, rank: int = 
 
 
 def nbytes(tree: Any) -> int:
-    return sum(
-        math.prod(l.shape) * jnp.dtype(l.dtype).itemsize
-        for l in jax.tree_util.tree_leaves(tree)
-    )
+    return sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
+
+
+# -- the models several benchmarks share -----------------------------------------------
+
+
+def is_lora(x: Any) -> bool:
+    return isinstance(x, lorax.LoraWeight)
+
+
+def nonzero_b(tree: Any, value: float = 0.01) -> Any:
+    """Every LoRA weight with its `b` at `value` (`init_lora` makes it zero): the low-rank
+    path's products are real work."""
+    return jax.tree.map(lambda w: eqx.tree_at(lambda l: l.b, w, jnp.full_like(w.b, value))
+                        if is_lora(w) else w, tree, is_leaf=is_lora)
+
+
+def plain_dot(x: jax.Array, w: Any) -> jax.Array:
+    return x @ w
+
+
+def mlp_params(d: int, layers: int = 4) -> dict:
+    keys = jax.random.split(jax.random.PRNGKey(0), layers)
+    return {f"l{i}": jax.random.normal(k, (d, d)) / d**0.5 for i, k in enumerate(keys)}
+
+
+def mlp_apply(params: dict, x: jax.Array, dot: Callable = jnp.matmul,
+              relu_last: bool = False) -> jax.Array:
+    """The `l0`, `l1`, ... layers of `mlp_params` with relu between them (and after the
+    last with `relu_last`), each product `dot(x, w)`."""
+    n = len(params)
+    for i in range(n):
+        x = dot(x, params[f"l{i}"])
+        x = jax.nn.relu(x) if i < n - 1 or relu_last else x
+    return x
+
+
+def scan_params(d: int, layers: int = 8) -> dict:
+    """A pre-norm decoder stack's weights, stacked `(layers, in, out)`: q, k, v, o (d x d),
+    up (d x 4d), down (4d x d), and the norms."""
+    keys = jax.random.split(jax.random.PRNGKey(0), 6)
+    shapes = dict(q=(d, d), k=(d, d), v=(d, d), o=(d, d), up=(d, 4 * d), down=(4 * d, d))
+    ws = {n: jax.random.normal(k, (layers, *s)) / s[0] ** 0.5
+          for k, (n, s) in zip(keys, shapes.items())}
+    return {"layers": ws, "norm": jnp.ones((layers, d))}
+
+
+def scan_apply(params: dict, x: jax.Array, dot: Callable) -> jax.Array:
+    """The `scan_params` stack under `lax.scan`: causal attention (heads of 64), gelu MLP."""
+    heads = x.shape[-1] // 64
+
+    def block(x, p):
+        w, norm = p
+        h = x * lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + 1e-6) * norm
+        b, t, d = h.shape
+        q, k, v = (dot(h, w[n]).reshape(b, t, heads, 64) for n in ("q", "k", "v"))
+        s = jnp.einsum("bthd,bshd->bhts", q, k) / 8.0
+        s = jnp.where(jnp.tril(jnp.ones((t, t), bool)), s, -1e9)
+        a = jnp.einsum("bhts,bshd->bthd", jax.nn.softmax(s, -1), v).reshape(b, t, d)
+        x = x + dot(a, w["o"])
+        return x + dot(jax.nn.gelu(dot(h, w["up"])), w["down"]), None
+
+    return lax.scan(block, x, (params["layers"], params["norm"]))[0]
+
+
+def nnx_stack(d: int, layers: int, seed: int = 0) -> Any:
+    """A Flax NNX decoder stack: `nnx.MultiHeadAttention` (causal, heads of 64),
+    `nnx.Linear` gelu MLP of 4 d, `nnx.RMSNorm`, no biases."""
+    from flax import nnx  # lazy: Flax loads in seconds, for the nnx cells only
+
+    class Block(nnx.Module):
+        def __init__(self, d: int, rngs: nnx.Rngs):
+            self.norm1 = nnx.RMSNorm(d, rngs=rngs)
+            self.attn = nnx.MultiHeadAttention(num_heads=d // 64, in_features=d,
+                                               decode=False, use_bias=False, rngs=rngs)
+            self.norm2 = nnx.RMSNorm(d, rngs=rngs)
+            self.up = nnx.Linear(d, 4 * d, use_bias=False, rngs=rngs)
+            self.down = nnx.Linear(4 * d, d, use_bias=False, rngs=rngs)
+
+        def __call__(self, x):
+            x = x + self.attn(self.norm1(x), mask=nnx.make_causal_mask(x[..., 0]))
+            return x + self.down(nnx.gelu(self.up(self.norm2(x))))
+
+    class Stack(nnx.Module):
+        def __init__(self, d: int, layers: int, rngs: nnx.Rngs):
+            self.layers = nnx.List([Block(d, rngs) for _ in range(layers)])
+
+        def __call__(self, x):
+            for layer in self.layers:
+                x = layer(x)
+            return x
+
+    return Stack(d, layers, nnx.Rngs(seed))
