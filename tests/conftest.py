@@ -23,7 +23,7 @@ jax.config.update("jax_enable_x64", False)
 # local runs (HYPOTHESIS_PROFILE=thorough). Tracing dominates each example, so
 # deadlines are off: wall-clock is not what these tests check.
 settings.register_profile(
-    "ci", max_examples=12, deadline=None, derandomize=True,
+    "ci", max_examples=8, deadline=None, derandomize=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 settings.register_profile(

@@ -137,6 +137,7 @@ def test_llama_qlora_step_with_host_codes_equals_the_on_device_step(remat):
     assert np.isfinite(float(on_device[0]))
 
 
+@pytest.mark.slow  # CI time: the card script's check, ~25 s on 2 cores
 def test_the_card_s_value_check_compares_the_two_placements(monkeypatch):
     # `python -m benchmarks.offload --check` (scripts/card runs it under XLA's pipelined
     # host offloading): the same comparison, on the default device.

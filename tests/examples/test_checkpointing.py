@@ -63,6 +63,7 @@ def test_killed_run_resumes_to_the_same_adapter(straight, tmp_path, mode, at, re
     assert (tmp_path / "adapter.safetensors").read_bytes() == straight[1]
 
 
+@pytest.mark.slow  # CI time; one kill and resume stays
 def test_a_resumed_run_that_is_killed_again_still_ends_the_same(straight, tmp_path):
     assert _run(tmp_path, kill=("between", 6)).returncode == -signal.SIGKILL
     assert _run(tmp_path, kill=("during", 10)).returncode == -signal.SIGKILL

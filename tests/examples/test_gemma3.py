@@ -81,6 +81,7 @@ EDGE_CASES = ["Hello  world\n\nWhat's  up?\t naïve café 😀 — ’tis “so�
               "[multimodal] <start_of_turn>user\n x<end_of_turn>", " leading space", "\u00a0\u2003x"]
 
 
+@pytest.mark.slow  # CI time (~20 s on 2 cores)
 def test_tokenizer_is_llama_cpps_on_held_out_samples(gemma):
     texts = [c for play in gemma["held"].values() for c in _chunks(play, 1500, 2)]
     _check_tokens(gemma, texts + EDGE_CASES)

@@ -72,6 +72,7 @@ def test_quick_run(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow  # CI time; each variant's rules are tests/variants' and test_quick_run runs the job
 def test_quick_run_with_every_variant(tmp_path):
     """--dora --dropout --loraplus together on the QLoRA base: DoRA magnitudes trained,
     saved and exported as PEFT's use_dora (llama.cpp has no DoRA: no GGUF adapter)."""

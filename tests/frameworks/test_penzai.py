@@ -42,6 +42,7 @@ def _llamalike(stacked: bool):
 TOKENS = pz.nx.wrap(jnp.array([[1, 2, 3, 4]]), "batch", "seq")
 
 
+@pytest.mark.slow  # CI time; penzai's other tests stay
 def test_layer_stacked_llamalike_with_tied_embeddings():
     apply, params = _llamalike(stacked=True)
     lp = check_lora_model(apply, params, (TOKENS,), TARGETS, rank=2, expected_lora=8)
