@@ -292,6 +292,13 @@ def out_sharding_of(x: Any) -> PartitionSpec | None:
 
 
 
+def whole_where_one(spec: Any, shape: tuple[int, ...]) -> PartitionSpec:
+    """`spec` (padded to `shape`'s rank) with every size-1 axis whole: the layout of a
+    per-output value (DoRA's norm or gain) broadcast over its weight's summed axes."""
+    spec = tuple(spec) + (None,) * (len(shape) - len(spec))
+    return PartitionSpec(*(None if n == 1 else e for n, e in zip(shape, spec)))
+
+
 def split_last(x: Any, size: int) -> Any:
     """`x` `(..., n)` reshaped to `(..., n // size, size)`. Under Explicit axes a split `n`
     needs its result's type stated: the `n // size` blocks split as `n` was where the

@@ -230,11 +230,9 @@ def _heads(cfg: Config, h, layer, name: str, n: int):
     return rms_norm(y, layer[f"{name}_norm"], cfg.norm_eps) if f"{name}_norm" in layer else y
 
 
-def _used(cfg: Config, params: dict) -> dict:
-    """`params` as the step uses them: under `cfg.layout`, regathered (`Layout.used`)."""
-    if cfg.layout is None:
-        return params
-    return {name: cfg.layout.used(name, x) for name, x in params.items()}
+def _use(cfg: Config, name: str, x):
+    """Parameter `name` as the step uses it: under `cfg.layout`, regathered (`Layout.used`)."""
+    return x if cfg.layout is None else cfg.layout.used(name, x)
 
 
 def _row_product(cfg: Config, x, w):
@@ -253,7 +251,7 @@ def _lookup(cfg: Config, table, ids):
 
 
 def block(cfg: Config, x, layer):
-    layer = _used(cfg, layer)
+    layer = {name: _use(cfg, name, x) for name, x in layer.items()}
     h = rms_norm(x, layer["attn_norm"], cfg.norm_eps)
     q = rope(_heads(cfg, h, layer, "q", cfg.n_heads), cfg.rope_theta, cfg.rope_scaling)
     k = rope(_heads(cfg, h, layer, "k", cfg.n_kv_heads), cfg.rope_theta, cfg.rope_scaling)
@@ -328,7 +326,7 @@ def hidden_states(cfg: Config, params, tokens):
     measured yet, and XLA:CPU loses remat's savings without the loop (docs/gpu.md,
     "Unrolled layers"). The same values either way.
     """
-    x = _lookup(cfg, _used(cfg, {"embed": params["embed"]})["embed"], tokens)
+    x = _lookup(cfg, _use(cfg, "embed", params["embed"]), tokens)
     step = lambda x, layer: (block(cfg, x, layer), None)  # noqa: E731
     if isinstance(params["layers"], (list, tuple)):
         unrolled = remat(cfg, step)  # one wrapper: its traced layer is reused by every call
@@ -336,7 +334,7 @@ def hidden_states(cfg: Config, params, tokens):
             x, _ = unrolled(x, layer)
     else:
         x, _ = lax.scan(remat(cfg, step, in_loop=True), x, params["layers"])
-    return rms_norm(x, _used(cfg, {"n": params["final_norm"]})["n"], cfg.norm_eps)
+    return rms_norm(x, _use(cfg, "final_norm", params["final_norm"]), cfg.norm_eps)
 
 
 def unstack_layers(params):
@@ -378,8 +376,8 @@ def loss(cfg: Config, params, windows):
     h = hidden_states(cfg, params, windows[:, :-1])
     # An untied output layer (Llama 3 8B) is `(dim, vocab)`: its transpose, as the tied
     # embedding is laid out (inside `lorax.lora` a quantized one stays quantized).
-    used = _used(cfg, {k: params[k] for k in ("lm_head", "embed") if k in params})
-    out = used["lm_head"].T if "lm_head" in used else used["embed"]
+    out = (_use(cfg, "lm_head", params["lm_head"]).T if "lm_head" in params
+           else _use(cfg, "embed", params["embed"]))
     lookup = functools.partial(_lookup, cfg)
     return tied_loss(h, out, windows[:, 1:], cfg.vocab, lookup)
 

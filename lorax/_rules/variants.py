@@ -27,8 +27,6 @@ from jax import Array, lax
 from jax.extend.core import primitives as _prims
 from jax.typing import ArrayLike
 
-from jax.sharding import PartitionSpec as P
-
 from .. import _engine
 from .._variants.adapted import Adapted, adapt, drop
 from .._variants.mixed import MixedWeight, gated_lora
@@ -40,7 +38,7 @@ from . import ragged as _ragged
 from .conv import lora_conv
 from .gather import lora_gather
 from .dot import _dot_params, lora_contract
-from .._sharding import varying_axes
+from .._sharding import varying_axes, whole_where_one
 from .sharding import sharding_constraint_p
 
 pvary_p = _engine.pvary_p
@@ -409,8 +407,7 @@ def _moved_gain(prim: Any, g: Any, params: dict) -> Any:
     if g is None or prim is not reshard_p:
         return g
     dst = params["dst_sharding"]
-    spec = tuple(getattr(dst, "spec", dst)) + (None,) * g.ndim
-    spec = P(*(None if n == 1 else e for n, e in zip(g.shape, spec)))
+    spec = whole_where_one(dst.spec, g.shape)
     return reshard_p.bind(g, **dict(params, dst_sharding=dst.update(spec=spec)))
 
 

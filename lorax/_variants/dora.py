@@ -20,7 +20,7 @@ from jax import Array, lax
 from jax.typing import ArrayLike
 
 from .. import _engine
-from .._sharding import out_sharding_of
+from .._sharding import out_sharding_of, whole_where_one
 from .._weight import FactorAxes, LoraWeight, _dense, _shape
 
 Side = Literal["a", "b"]
@@ -193,9 +193,7 @@ def _norm(w: Any, a: Array, b: Array, *, scale: float, side: Side, axes: FactorA
     spec = out_sharding_of(w.aval() if _engine.is_value(w) else w)
     if spec is None:
         return _norm_jit(w, a, b, scale=scale, side=side, axes=axes)
-    summed = axes.m if side == "a" else axes.n
-    spec = tuple(spec) + (None,) * (len(w.shape) - len(spec))
-    out = jax.sharding.PartitionSpec(*(None if i in summed else e for i, e in enumerate(spec)))
+    out = whole_where_one(spec, magnitude_shape(w.shape, axes, side))
     return jax.sharding.auto_axes(
         lambda w, a, b: _norm_jit(w, a, b, scale=scale, side=side, axes=axes),
         out_sharding=out)(w, a, b)
