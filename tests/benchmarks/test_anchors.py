@@ -78,10 +78,12 @@ def test_pytorch_cells_train_on_the_same_tokens():
 # -- the parameters: norms at 1, quantized weights spread as dense ones ---------------------------
 
 
+# nf4 stands for the quantized formats by default (CI time); the others are slow.
 @pytest.mark.parametrize("method,layers,host", [
     ("lora", "scan", False), ("lora", "unrolled", False), ("hand", "scan", False),
-    ("qlora-nf4", "scan", False), ("qlora-bnb_nf4", "scan", False), ("qlora-int8", "scan", False),
-    ("qlora-q4_k", "scan", False), ("qlora-nf4", "scan", True)])
+    ("qlora-nf4", "scan", False), ("qlora-nf4", "scan", True),
+    *(pytest.param(m, "scan", False, marks=pytest.mark.slow)
+      for m in ("qlora-bnb_nf4", "qlora-int8", "qlora-q4_k"))])
 def test_norm_weights_are_ones_and_quantized_weights_are_spread_as_dense_ones(method, layers, host):
     import jax
     import jax.numpy as jnp

@@ -53,7 +53,10 @@ def test_unstack_layers_names_a_leaf_without_the_layer_axis():
         llama.unstack_layers(params)
 
 
-@pytest.mark.parametrize("remat", ["layer", "none", "dots"])
+# The other remat choices are slow (CI time): test_llama_attention checks that each gives
+# remat "layer"'s values and gradients.
+@pytest.mark.parametrize("remat", ["layer", *(pytest.param(r, marks=pytest.mark.slow)
+                                              for r in ("none", "dots"))])
 def test_unrolled_layers_give_the_scanned_values_and_gradients(remat):
     cfg, params, windows = _model(remat)
     value_and_grad = jax.jit(jax.value_and_grad(lambda p: llama.loss(cfg, p, windows)))
