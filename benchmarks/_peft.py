@@ -33,10 +33,13 @@ from ._batch import LORA_ALPHA, MODELS, RANK, learning_windows, vocab  # (NumPy 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-def llama_config(model: str, **extra: Any) -> tuple[Any, int, int]:
+def llama_config(model: str, layers: int | None = None, seq: int | None = None,
+                 **extra: Any) -> tuple[Any, int, int]:
     """`transformers.LlamaConfig` at `MODELS[model]`'s shapes (tied embedding), its vocabulary
-    size and window length; `extra`: more config fields (token ids for a saved model)."""
-    n, d, f, h, kv, seq = MODELS[model]
+    size and window length; `layers`, `seq`: other than the model's (a long-context cell);
+    `extra`: more config fields (token ids for a saved model)."""
+    n, d, f, h, kv, window = MODELS[model]
+    n, seq = layers or n, seq or window
     cfg = transformers.LlamaConfig(
         vocab_size=vocab(model), hidden_size=d, intermediate_size=f, num_hidden_layers=n,
         num_attention_heads=h, num_key_value_heads=kv, max_position_embeddings=seq,

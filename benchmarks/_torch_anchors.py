@@ -5,6 +5,7 @@ each, in a process of its own (both libraries patch transformers' Llama classes)
                                         [--no-checkpointing]
     python -m benchmarks._torch_anchors unsloth MODEL [--batch B] [--steps N] [--quant 16bit|nf4]
                                         [--checkpointing unsloth|on|off] [--model-dir DIR]
+                                        [--seq TOKENS --layers N --memory-gib GIB]
     python -m benchmarks._torch_anchors save MODEL [--model-dir DIR]   # the folder Unsloth loads
 
 - `liger`: PEFT + Liger-Kernel. `apply_liger_kernel_to_llama` (RoPE, RMSNorm, SwiGLU and the
@@ -19,6 +20,9 @@ each, in a process of its own (both libraries patch transformers' Llama classes)
   `--quant nf4` loads it with `load_in_4bit=True` (bitsandbytes NF4, QLoRA), `16bit` with
   `load_in_16bit=True`; LoRA r16 on the same seven projections; `--checkpointing unsloth`
   (its default: checkpoints offloaded to host memory), `on` (transformers') or `off`.
+  `--seq`, `--layers`, `--memory-gib`: one try of `benchmarks.context --unsloth`'s search
+  for Unsloth's longest context (a window of `--seq` tokens on a model of `--layers`
+  layers, the card held to `--memory-gib`; out of memory is a row with an `error`).
 
 The batch, the timing and the row are `benchmarks._peft`'s: the same tokens as every stack
 (`benchmarks._batch`), AdamW at 1e-4 on the adapters, two warm-up steps, the device's peak
@@ -107,10 +111,17 @@ def default_model_dir(need_bytes: int = 0) -> Path:
     return Path(tempfile.gettempdir()) / "lorax-anchors"
 
 
-def model_bytes(model: str) -> int:
-    """bf16 bytes of `model`'s weights (the tied embedding once, the norms aside)."""
+def model_bytes(model: str, layers: int | None = None) -> int:
+    """bf16 bytes of `model`'s weights (the tied embedding once, the norms aside), with
+    `layers` layers if given."""
     n, d, f, h, kv, _ = MODELS[model]
-    return 2 * (n * (2 * d * d + 2 * d * kv * (d // h) + 3 * d * f) + vocab(model) * d)
+    return 2 * ((layers or n) * (2 * d * d + 2 * d * kv * (d // h) + 3 * d * f) + vocab(model) * d)
+
+
+def positions_for(seq: int | None) -> int | None:
+    """The saved model's `max_position_embeddings` for a `seq`-token cell: the next power
+    of two (folders shared by nearby lengths), None at the model's own window."""
+    return None if seq is None else 1 << max(11, (seq - 1).bit_length())
 
 
 MODEL_NAMES = tuple(MODELS)
@@ -130,11 +141,15 @@ def tokenizer(vocab: int, seq: int) -> Any:
         pad_token="<pad>", model_max_length=seq)
 
 
-def saved_model(model: str, model_dir: Path, device: str) -> tuple[Path, float]:
+def saved_model(model: str, model_dir: Path, device: str, layers: int | None = None,
+                seq: int | None = None) -> tuple[Path, float]:
     """A folder holding a random-weight Llama at `model`'s shapes (bf16 safetensors, made on
     `device`, norm weights ones) and its tokenizer, made once (a `DONE` file marks it whole):
-    (the folder, seconds spent making it now)."""
-    path = Path(model_dir) / f"{model}-random-bf16"
+    (the folder, seconds spent making it now). `layers`, `seq`: a long-context cell's model
+    (fewer layers; positions for `seq` tokens)."""
+    positions = positions_for(seq)
+    tag = "".join(f"-{v}{k}" for k, v in (("l", layers), ("p", positions)) if v)
+    path = Path(model_dir) / f"{model}{tag}-random-bf16"
     if (path / "DONE").exists():
         return path, 0.0
     import torch  # lazy: after unsloth
@@ -142,7 +157,8 @@ def saved_model(model: str, model_dir: Path, device: str) -> tuple[Path, float]:
     from . import _peft as P  # lazy: imports torch
     t0 = time.perf_counter()
     shutil.rmtree(path, ignore_errors=True)
-    cfg, vocab, seq = P.llama_config(model, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    cfg, vocab, seq = P.llama_config(model, layers, positions, pad_token_id=0, bos_token_id=1,
+                                     eos_token_id=2)
     base = P.base_model(cfg, device)
     base.save_pretrained(path, safe_serialization=True)
     tokenizer(vocab, seq).save_pretrained(path)
@@ -154,8 +170,12 @@ def saved_model(model: str, model_dir: Path, device: str) -> tuple[Path, float]:
 
 
 def unsloth(model: str, batch: int, steps: int, quant: str, checkpointing: str,
-            model_dir: Path | None) -> dict:
-    """One Unsloth cell (the module docstring)."""
+            model_dir: Path | None, seq: int | None = None, layers: int | None = None,
+            memory_gib: float | None = None) -> dict:
+    """One Unsloth cell (the module docstring). `seq`, `layers`: a long-context cell (that
+    many tokens a window, a model of that many layers); `memory_gib`: the card held to
+    that many GiB (`torch.cuda.set_per_process_memory_fraction`). Running out of memory
+    is a result: the row's `error` is `out of memory`, with the peak reached."""
     t0 = time.perf_counter()
     import unsloth as U  # lazy: first, before transformers, peft and trl
     from unsloth import FastLanguageModel  # lazy: (the same)
@@ -164,8 +184,12 @@ def unsloth(model: str, batch: int, steps: int, quant: str, checkpointing: str,
 
     from . import _peft as P  # lazy: imports torch
     device, t0 = device_of(), time.perf_counter()
-    folder, save_s = saved_model(model, model_dir or default_model_dir(model_bytes(model)), device)
-    _, vocab, seq = P.llama_config(model)
+    if memory_gib and device == "cuda":
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, memory_gib * 2**30 / total))
+    folder, save_s = saved_model(model, model_dir or default_model_dir(model_bytes(model, layers)),
+                                 device, layers, seq)
+    _, vocab, seq = P.llama_config(model, layers, seq)
     gc = CHECKPOINTING[checkpointing]
     net, _ = FastLanguageModel.from_pretrained(
         str(folder), max_seq_length=seq, dtype=torch.bfloat16, load_in_4bit=quant == "nf4",
@@ -180,12 +204,16 @@ def unsloth(model: str, batch: int, steps: int, quant: str, checkpointing: str,
     step = P.adamw_step(params, lambda: net(input_ids=x, labels=x).loss)
 
     setup_s = P.start(device) - t0
-    times, losses = P.train(step, steps, device)
+    try:
+        times, losses, error = *P.train(step, steps, device), None
+    except torch.OutOfMemoryError:
+        times, losses, error = [float("nan")], [float("nan")], "out of memory"
     suffix = {"unsloth": "", "on": "-hfckpt", "off": "-nockpt"}[checkpointing]
-    return P.result(f"unsloth:{model}:{batch}:{quant}:{checkpointing}", model,
-                    f"unsloth-{quant}{suffix}", batch, seq, checkpointing, times, losses,
-                    setup_s, True, params, getattr(net.config, "_attn_implementation", None),
+    cell = f"unsloth:{model}:{batch}:{quant}:{checkpointing}" + (f":{seq}:{layers}" if layers else "")
+    return P.result(cell, model, f"unsloth-{quant}{suffix}", batch, seq, checkpointing, times,
+                    losses, setup_s, True, params, getattr(net.config, "_attn_implementation", None),
                     device, import_s=import_s, save_s=save_s, unsloth=U.__version__,
+                    layers=layers or MODELS[model][0], memory_gib=memory_gib, error=error,
                     **versions("unsloth-zoo", "bitsandbytes", "triton", "trl"))
 
 
@@ -210,6 +238,10 @@ def parser() -> argparse.ArgumentParser:
             s.add_argument("--quant", choices=QUANTS, default="16bit")
             s.add_argument("--checkpointing", choices=list(CHECKPOINTING), default="unsloth")
             s.add_argument("--model-dir", type=Path, default=None)
+            s.add_argument("--seq", type=int, default=None, help="tokens a window (long context)")
+            s.add_argument("--layers", type=int, default=None, help="the model's layers")
+            s.add_argument("--memory-gib", type=float, default=None,
+                           help="hold the card to this many GiB")
     return p
 
 
@@ -227,7 +259,8 @@ def main(argv: list[str] | None = None) -> None:
         return
     row = (liger(a.model, a.batch, a.steps, a.compile, not a.no_checkpointing)
            if a.stack == "liger" else
-           unsloth(a.model, a.batch, a.steps, a.quant, a.checkpointing, a.model_dir))
+           unsloth(a.model, a.batch, a.steps, a.quant, a.checkpointing, a.model_dir, a.seq,
+                   a.layers, a.memory_gib))
     print("RESULT " + json.dumps(row), flush=True)
 
 

@@ -40,6 +40,12 @@ a derived 32-layer step time and tokens/s at SEQ (marked `derived`).
 
     XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_PYTHON_CLIENT_MEM_FRACTION=.99 \\
         python -m benchmarks.context --confirm 1376256 --seconds 170
+
+**Unsloth's longest context** (`--unsloth GIB`, on a GPU with Unsloth installed: `bash
+scripts/card-anchors` with `UNSLOTH_CONTEXT=GIB`) is found the same way: Unsloth's QLoRA
+step on `--layers` layers, each length a process of its own with the card held to GIB
+less what the other layers' weights and state add (`unsloth_addback_gib`), from Unsloth's
+published 342,733 tokens (`bracket_search`), into `<out>/context_unsloth.{csv,md}`.
 """
 
 from __future__ import annotations
@@ -48,6 +54,8 @@ import json
 import math
 import os
 import re
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -62,6 +70,7 @@ import lorax
 
 from . import _common as C
 from . import _llama as L
+from ._batch import MODELS
 from ._cuda import compile_for, options
 
 GiB = 2**30
@@ -421,6 +430,112 @@ def _confirm_phases(result: dict[str, Any], deadline: Deadline, seq: int, n_laye
     result["derived_32_layers"] = derived(long, short, seq, short_seq, n_layers, window)
 
 
+# -- Unsloth's longest context, on the card -----------------------------------------------------
+
+UNSLOTH_CLAIM = 342_733  # Llama 3.1 8B QLoRA on one 80 GB card, Unsloth's published figure
+UNSLOTH_COLUMNS = [("seq", "tokens"), ("layers", "layers"), ("memory_gib", "card held to GiB"),
+                   ("fits", "fits"), ("peak_gib", "peak GiB"), ("step_s", "s/step"),
+                   ("tokens_per_s", "tokens/s"), ("try_s", "try s"), ("error", "error")]
+
+
+def unsloth_addback_gib(n_layers: int, model: str = MODEL) -> float:
+    """GiB the other `LAYERS - n_layers` layers add to Unsloth's QLoRA step, from the shapes:
+    bitsandbytes NF4 codes (half a byte a weight) with double-quantized scales (one byte a
+    64-weight block, a float32 a 256 blocks), float32 rank-16 factors with their gradient
+    and AdamW's two states (16 bytes an element). Derived, not measured."""
+    _, d, f, h, kv, _ = MODELS[model]
+    weights = 2 * d * d + 2 * d * kv * (d // h) + 3 * d * f
+    factors = 16 * (2 * (d + d) + 2 * (d + kv * (d // h)) + 3 * (d + f))
+    per_layer = weights * (0.5 + 1 / 64 + 4 / (64 * 256)) + 16 * factors
+    return (LAYERS - n_layers) * per_layer / GiB
+
+
+def bracket_search(fits: Callable[[int], bool | None], guess: int, step: int,
+                   tolerance: float = 0.05, tries: int = 8) -> tuple[int | None, int | None]:
+    """(the longest length found to fit, the shortest found not to), both multiples of
+    `step`: from `guess`, x1.5 up while it fits or down while it does not, then halving
+    the bracket until it is within `tolerance` of its lower end. `fits` returns None when
+    no time is left: the search ends with what it has."""
+    lo, hi, seq = None, None, max(step, round(guess / step) * step)
+    for _ in range(tries):
+        ok = fits(seq)
+        if ok is None:
+            break
+        lo, hi = (max(lo or 0, seq), hi) if ok else (lo, min(hi or seq, seq))
+        if lo is not None and hi is not None:
+            if hi - lo <= max(step, tolerance * lo):
+                break
+            seq = (lo + hi) // 2 // step * step
+        elif lo is not None:
+            seq = int(lo * 1.5) // step * step
+        elif hi <= step:
+            break
+        else:
+            seq = max(step, int(hi / 1.5) // step * step)
+    return lo, hi
+
+
+def unsloth_try(seq: int, n_layers: int, memory_gib: float, steps: int, timeout: float,
+                model: str = MODEL) -> dict[str, Any]:
+    """One Unsloth QLoRA step at `seq` tokens in a process of its own
+    (`benchmarks._torch_anchors`), the card held to `memory_gib`: its row, `fits` False for
+    out of memory (or a failure, its `error` saying which)."""
+    cmd = [sys.executable, "-m", "benchmarks._torch_anchors", "unsloth", model, "--quant", "nf4",
+           "--checkpointing", "unsloth", "--steps", str(steps), "--seq", str(seq),
+           "--layers", str(n_layers), "--memory-gib", f"{memory_gib:.2f}"]
+    t0 = time.perf_counter()
+    try:
+        run = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        out, err = run.stdout, run.stderr
+    except subprocess.TimeoutExpired as e:
+        out, err = e.stdout if isinstance(e.stdout, str) else "", "timed out"
+    line = next((x for x in out.splitlines()[::-1] if x.startswith("RESULT ")), None)
+    row = json.loads(line[7:]) if line else dict(error=(err or "no result")[-300:])
+    row.update(seq=seq, layers=n_layers, memory_gib=memory_gib,
+               try_s=round(time.perf_counter() - t0, 1))
+    row["fits"] = line is not None and not row.get("error") and bool(row.get("finite"))
+    return row
+
+
+def unsloth_search(limit_gib: float, seconds: float, n_layers: int, steps: int,
+                   guess: int = UNSLOTH_CLAIM, step: int = 8192,
+                   attempt: Callable[..., dict[str, Any]] = unsloth_try) -> dict[str, Any]:
+    """Unsloth's longest QLoRA context on a card of `limit_gib`, the way `--confirm` finds
+    lorax's: a model of `n_layers` layers, the card held to `limit_gib` less the other
+    layers' weights and state (`unsloth_addback_gib`), tries while `seconds` last."""
+    t0, rows = time.perf_counter(), []
+    cap = limit_gib - unsloth_addback_gib(n_layers)
+
+    def fits(seq: int) -> bool | None:
+        left = seconds - (time.perf_counter() - t0)
+        if rows and left < 1.2 * max(r["try_s"] for r in rows):
+            return None
+        rows.append(attempt(seq, n_layers, cap, steps, max(left, 1.0)))
+        print(f"unsloth {seq} tokens: {'fits' if rows[-1]['fits'] else 'does not fit'} "
+              f"({rows[-1].get('error') or ''}), {rows[-1]['try_s']} s", flush=True)
+        return rows[-1]["fits"]
+
+    lo, hi = bracket_search(fits, guess, step)
+    return dict(rows=rows, longest=lo, shortest_failing=hi, cap_gib=round(cap, 2),
+                addback_gib=round(limit_gib - cap, 2), limit_gib=limit_gib, layers=n_layers)
+
+
+def unsloth_markdown(found: dict[str, Any]) -> str:
+    lines = [C.column_table(found["rows"], UNSLOTH_COLUMNS), ""]
+    lo, hi = found["longest"], found["shortest_failing"]
+    lines.append(
+        f"- **Unsloth, {found['limit_gib']:g} GiB: {lo:,} tokens fit**" if lo else
+        f"- **Unsloth, {found['limit_gib']:g} GiB: no length tried fits**")
+    lines[-1] += (f" ({hi:,} did not)." if hi else ".") + (
+        f" Run on {found['layers']} layers with the card held to {found['cap_gib']:.2f} GiB: "
+        f"{found['limit_gib']:g} less {found['addback_gib']:.2f} GiB, the other "
+        f"{LAYERS - found['layers']} layers' NF4 codes, scales, factors and AdamW state "
+        f"(derived from the shapes). Unsloth QLoRA (bitsandbytes NF4), its host-offloading "
+        f"checkpointing, rank 16 on the seven projections, batch 1. Unsloth's published "
+        f"figure: {UNSLOTH_CLAIM:,}.")
+    return "\n".join(lines) + "\n"
+
+
 # -- the command ---------------------------------------------------------------------------------
 
 
@@ -439,7 +554,15 @@ def main(argv: list[str] | None = None) -> Any:
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--seconds", type=float, default=170)
     p.add_argument("--model", default=MODEL, help="the confirming step's model")
+    p.add_argument("--unsloth", type=float, default=None, metavar="GIB",
+                   help="search Unsloth's longest context on a card of GIB (on a GPU, with "
+                   "Unsloth installed), within --seconds, on --layers layers")
     args = p.parse_args(argv)
+    if args.unsloth:
+        found = unsloth_search(args.unsloth, args.seconds, args.layers, args.steps)
+        C.write_table(C.out_dir(args.out), "context_unsloth", found["rows"],
+                      unsloth_markdown(found))
+        return found
     if args.confirm:
         return confirm(args.confirm, args.layers, args.window, args.short, args.steps,
                        args.seconds, args.model)

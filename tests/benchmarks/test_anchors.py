@@ -147,7 +147,8 @@ def test_pytorch_cells_name_the_process_and_arguments_they_run():
         args = A.cell_args(text, 12, None)
         if args[0] == "benchmarks._torch_anchors":
             a = T.parser().parse_args(args[1:])
-            assert (a.stack, a.model, a.batch, a.steps) == (text.split(":")[0], "llama-3-8b", 1, 12)
+            assert (a.stack, a.model, a.batch, a.steps) == (
+                text.split(":")[0], "llama-3-8b", int(text.split(":")[2]), 12)
     assert A.timeout_for("unsloth:llama-3-8b:1:16bit:off") == 300
     assert A.timeout_for("liger:llama-3-8b:1:compiled:off") == 420
     assert A.timeout_for("liger:llama-3-8b:1:eager:off") == 240
@@ -255,6 +256,10 @@ def test_the_anchor_command_line():
     a = p.parse_args(["unsloth", "llama-3-8b", "--quant", "nf4", "--checkpointing", "off"])
     assert (a.quant, a.checkpointing, a.batch, a.steps, a.model_dir) == ("nf4", "off", 1, 8, None)
     assert T.CHECKPOINTING[a.checkpointing] is False and T.CHECKPOINTING["unsloth"] == "unsloth"
+    assert (a.seq, a.layers, a.memory_gib) == (None, None, None)
+    a = p.parse_args(["unsloth", "llama-3-8b", "--quant", "nf4", "--seq", "344064", "--layers",
+                      "2", "--memory-gib", "74.27"])  # one try of Unsloth's longest context
+    assert (a.seq, a.layers, a.memory_gib) == (344_064, 2, 74.27)
     a = p.parse_args(["liger", "tiny", "--compile", "--no-checkpointing", "--batch", "4"])
     assert (a.compile, a.no_checkpointing, a.batch) == (True, True, 4)
     for bad in (["unsloth", "llama-3-8b", "--quant", "int8"], ["liger", "llama-3-8b", "--quant", "nf4"],
@@ -294,6 +299,18 @@ def test_the_folder_unsloth_loads_is_a_random_llama_with_an_offline_tokenizer(tm
     tok = transformers.AutoTokenizer.from_pretrained(folder)
     assert len(tok) == 4096 and tok.pad_token_id == 0 and tok.eos_token_id == 2
     assert [i for i in tok("t5 t4095")["input_ids"] if i >= B.LOW] == [5, 4095]
+
+
+@needs_torch
+def test_a_long_context_cells_folder_has_its_layers_and_positions(tmp_path):
+    import transformers
+
+    folder, _ = T.saved_model("tiny", tmp_path, "cpu", layers=1, seq=3000)
+    assert folder.name == "tiny-1l-4096p-random-bf16"
+    cfg = transformers.AutoConfig.from_pretrained(folder)
+    assert (cfg.num_hidden_layers, cfg.max_position_embeddings) == (1, 4096)
+    assert T.positions_for(4096) == 4096 and T.positions_for(4097) == 8192
+    assert T.model_bytes("tiny", 1) < T.model_bytes("tiny")
 
 
 @needs_torch

@@ -202,3 +202,73 @@ def test_attention_flops_causal_and_banded():
     assert X.attention_tflop(8192, 1, window=8192) == pytest.approx(
         2 * X.attention_tflop(8192, 1))
     assert X.attention_tflop(1 << 20, 2, window=4096) < X.attention_tflop(1 << 20, 2) / 100
+
+
+# -- Unsloth's longest context (the card runs it; its search and rows are checked here) ---------
+
+
+@pytest.mark.parametrize("answer", [8192, 100_000, 342_733, 1_000_000])
+def test_bracket_search_ends_within_its_tolerance_around_the_answer(answer):
+    asked = []
+
+    def fits(seq):
+        asked.append(seq)
+        return seq <= answer
+
+    lo, hi = X.bracket_search(fits, X.UNSLOTH_CLAIM, 8192, tries=12)
+    assert lo <= answer < hi and hi - lo <= max(8192, 0.05 * lo)
+    assert all(s % 8192 == 0 for s in asked) and len(set(asked)) == len(asked)
+
+
+def test_bracket_search_stops_when_no_time_is_left_and_keeps_what_it_has():
+    answers = iter([True, False, None])
+    assert X.bracket_search(lambda s: next(answers), 344_064, 8192) == (344_064, 516_096)
+    assert X.bracket_search(lambda s: None, 344_064, 8192) == (None, None)
+
+
+def test_unsloth_addback_is_the_other_layers_nf4_weights_and_factor_state():
+    per_layer = X.unsloth_addback_gib(31)
+    assert X.unsloth_addback_gib(X.LAYERS) == 0
+    assert X.unsloth_addback_gib(2) == pytest.approx(30 * per_layer)
+    # Llama-3-8B's 218 M weights a layer at just over half a byte (NF4 and its scales),
+    # and 1.3 M float32 factor elements at 16 bytes: 0.125 GiB.
+    assert 0.12 < per_layer < 0.13
+
+
+def test_unsloth_search_holds_the_card_to_the_budget_less_the_addback(tmp_path):
+    calls = []
+
+    def attempt(seq, n_layers, cap, steps, timeout):
+        calls.append((seq, n_layers, cap, steps))
+        ok = seq <= 600_000
+        return dict(seq=seq, layers=n_layers, memory_gib=cap, fits=ok, try_s=1.0,
+                    peak_gib=cap - 1 if ok else cap, step_s=30.0 if ok else float("nan"),
+                    tokens_per_s=seq / 30 if ok else float("nan"),
+                    error=None if ok else "out of memory")
+
+    found = X.unsloth_search(78, 600, 2, 2, attempt=attempt)
+    assert found["cap_gib"] == pytest.approx(78 - X.unsloth_addback_gib(2), abs=0.01)
+    assert {c[2] for c in calls} == {78 - X.unsloth_addback_gib(2)} and calls[0][0] == 344_064
+    assert found["longest"] <= 600_000 < found["shortest_failing"]
+    text = X.unsloth_markdown(found)
+    assert f"{found['longest']:,} tokens fit" in text and "out of memory" in text
+    assert "342,733" in text and "derived from the shapes" in text
+
+
+def test_unsloth_try_reads_the_cells_row_and_counts_out_of_memory_as_not_fitting(monkeypatch):
+    rows = {100: dict(finite=True, error=None, peak_gib=70.0),
+            200: dict(finite=False, error="out of memory", peak_gib=74.0)}
+    seen = []
+
+    def run(cmd, **kw):
+        seen.append(cmd)
+        seq = int(cmd[cmd.index("--seq") + 1])
+        return subprocess.CompletedProcess(cmd, 0, "noise\nRESULT " + json.dumps(rows[seq]), "")
+
+    monkeypatch.setattr(X.subprocess, "run", run)
+    assert X.unsloth_try(100, 2, 74.27, 2, 60)["fits"] is True
+    row = X.unsloth_try(200, 2, 74.27, 2, 60)
+    assert row["fits"] is False and row["error"] == "out of memory" and row["seq"] == 200
+    assert seen[0][2:5] == ["benchmarks._torch_anchors", "unsloth", "llama-3-8b"]
+    assert seen[0][seen[0].index("--memory-gib") + 1] == "74.27"
+    assert seen[0][seen[0].index("--quant") + 1] == "nf4"
