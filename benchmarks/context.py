@@ -439,15 +439,15 @@ UNSLOTH_COLUMNS = [("seq", "tokens"), ("layers", "layers"), ("memory_gib", "card
 
 
 def unsloth_addback_gib(n_layers: int, model: str = MODEL) -> float:
-    """GiB the other `LAYERS - n_layers` layers add to Unsloth's QLoRA step, from the shapes:
+    """GiB the model's other layers (beyond `n_layers`) add to Unsloth's QLoRA step, from the shapes:
     bitsandbytes NF4 codes (half a byte a weight) with double-quantized scales (one byte a
     64-weight block, a float32 a 256 blocks), float32 rank-16 factors with their gradient
     and AdamW's two states (16 bytes an element). Derived, not measured."""
-    _, d, f, h, kv, _ = MODELS[model]
+    n, d, f, h, kv, _ = MODELS[model]
     weights = 2 * d * d + 2 * d * kv * (d // h) + 3 * d * f
     factors = 16 * (2 * (d + d) + 2 * (d + kv * (d // h)) + 3 * (d + f))
     per_layer = weights * (0.5 + 1 / 64 + 4 / (64 * 256)) + 16 * factors
-    return (LAYERS - n_layers) * per_layer / GiB
+    return max(0, n - n_layers) * per_layer / GiB
 
 
 def bracket_search(fits: Callable[[int], bool | None], guess: int, step: int,
@@ -478,8 +478,8 @@ def bracket_search(fits: Callable[[int], bool | None], guess: int, step: int,
 def unsloth_try(seq: int, n_layers: int, memory_gib: float, steps: int, timeout: float,
                 model: str = MODEL) -> dict[str, Any]:
     """One Unsloth QLoRA step at `seq` tokens in a process of its own
-    (`benchmarks._torch_anchors`), the card held to `memory_gib`: its row, `fits` False for
-    out of memory (or a failure, its `error` saying which)."""
+    (`benchmarks._torch_anchors`), the card held to `memory_gib`: its row, `fits` True,
+    False (out of memory) or None (timed out or failed otherwise: `error` says which)."""
     cmd = [sys.executable, "-m", "benchmarks._torch_anchors", "unsloth", model, "--quant", "nf4",
            "--checkpointing", "unsloth", "--steps", str(steps), "--seq", str(seq),
            "--layers", str(n_layers), "--memory-gib", f"{memory_gib:.2f}"]
@@ -493,31 +493,39 @@ def unsloth_try(seq: int, n_layers: int, memory_gib: float, steps: int, timeout:
     row = json.loads(line[7:]) if line else dict(error=(err or "no result")[-300:])
     row.update(seq=seq, layers=n_layers, memory_gib=memory_gib,
                try_s=round(time.perf_counter() - t0, 1))
-    row["fits"] = line is not None and not row.get("error") and bool(row.get("finite"))
+    # Out of memory says the length does not fit; a try that timed out or failed otherwise
+    # says nothing about it (None: the search ends there, the row keeps the error).
+    error = row.get("error")
+    row["fits"] = (False if error == "out of memory" else
+                   None if error or line is None or not row.get("finite") else True)
+    for key, _ in UNSLOTH_COLUMNS:  # a try that printed no row has only its error
+        row.setdefault(key, None)
     return row
 
 
 def unsloth_search(limit_gib: float, seconds: float, n_layers: int, steps: int,
-                   guess: int = UNSLOTH_CLAIM, step: int = 8192,
+                   guess: int = UNSLOTH_CLAIM, step: int = 8192, model: str = MODEL,
                    attempt: Callable[..., dict[str, Any]] = unsloth_try) -> dict[str, Any]:
     """Unsloth's longest QLoRA context on a card of `limit_gib`, the way `--confirm` finds
     lorax's: a model of `n_layers` layers, the card held to `limit_gib` less the other
     layers' weights and state (`unsloth_addback_gib`), tries while `seconds` last."""
     t0, rows = time.perf_counter(), []
-    cap = limit_gib - unsloth_addback_gib(n_layers)
+    cap = limit_gib - unsloth_addback_gib(n_layers, model)
 
     def fits(seq: int) -> bool | None:
         left = seconds - (time.perf_counter() - t0)
         if rows and left < 1.2 * max(r["try_s"] for r in rows):
             return None
-        rows.append(attempt(seq, n_layers, cap, steps, max(left, 1.0)))
-        print(f"unsloth {seq} tokens: {'fits' if rows[-1]['fits'] else 'does not fit'} "
-              f"({rows[-1].get('error') or ''}), {rows[-1]['try_s']} s", flush=True)
+        rows.append(attempt(seq, n_layers, cap, steps, max(left, 1.0), model))
+        verdict = {True: "fits", False: "does not fit", None: "unknown"}[rows[-1]["fits"]]
+        print(f"unsloth {seq} tokens: {verdict} ({rows[-1].get('error') or 'ok'}), "
+              f"{rows[-1]['try_s']} s", flush=True)
         return rows[-1]["fits"]
 
     lo, hi = bracket_search(fits, guess, step)
     return dict(rows=rows, longest=lo, shortest_failing=hi, cap_gib=round(cap, 2),
-                addback_gib=round(limit_gib - cap, 2), limit_gib=limit_gib, layers=n_layers)
+                addback_gib=round(limit_gib - cap, 2), limit_gib=limit_gib, layers=n_layers,
+                model=model)
 
 
 def unsloth_markdown(found: dict[str, Any]) -> str:
@@ -526,10 +534,13 @@ def unsloth_markdown(found: dict[str, Any]) -> str:
     lines.append(
         f"- **Unsloth, {found['limit_gib']:g} GiB: {lo:,} tokens fit**" if lo else
         f"- **Unsloth, {found['limit_gib']:g} GiB: no length tried fits**")
-    lines[-1] += (f" ({hi:,} did not)." if hi else ".") + (
+    lines[-1] += (f" ({hi:,} did not)." if hi else
+                  " (no length failed before the time ran out: a lower bound)." if lo else
+                  ".") + (
         f" Run on {found['layers']} layers with the card held to {found['cap_gib']:.2f} GiB: "
         f"{found['limit_gib']:g} less {found['addback_gib']:.2f} GiB, the other "
-        f"{LAYERS - found['layers']} layers' NF4 codes, scales, factors and AdamW state "
+        f"{MODELS[found['model']][0] - found['layers']} layers of {found['model']}: their NF4 "
+        f"codes, scales, factors and AdamW state "
         f"(derived from the shapes). Unsloth QLoRA (bitsandbytes NF4), its host-offloading "
         f"checkpointing, rank 16 on the seven projections, batch 1. Unsloth's published "
         f"figure: {UNSLOTH_CLAIM:,}.")
@@ -554,12 +565,15 @@ def main(argv: list[str] | None = None) -> Any:
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--seconds", type=float, default=170)
     p.add_argument("--model", default=MODEL, help="the confirming step's model")
+    p.add_argument("--guess", type=int, default=None, help="--unsloth's first length "
+                   "(default: Unsloth's published 342,733)")
     p.add_argument("--unsloth", type=float, default=None, metavar="GIB",
                    help="search Unsloth's longest context on a card of GIB (on a GPU, with "
                    "Unsloth installed), within --seconds, on --layers layers")
     args = p.parse_args(argv)
     if args.unsloth:
-        found = unsloth_search(args.unsloth, args.seconds, args.layers, args.steps)
+        found = unsloth_search(args.unsloth, args.seconds, args.layers, args.steps,
+                               args.guess or UNSLOTH_CLAIM, args.step, args.model)
         C.write_table(C.out_dir(args.out), "context_unsloth", found["rows"],
                       unsloth_markdown(found))
         return found

@@ -238,7 +238,8 @@ def test_unsloth_addback_is_the_other_layers_nf4_weights_and_factor_state():
 def test_unsloth_search_holds_the_card_to_the_budget_less_the_addback(tmp_path):
     calls = []
 
-    def attempt(seq, n_layers, cap, steps, timeout):
+    def attempt(seq, n_layers, cap, steps, timeout, model):
+        assert model == X.MODEL
         calls.append((seq, n_layers, cap, steps))
         ok = seq <= 600_000
         return dict(seq=seq, layers=n_layers, memory_gib=cap, fits=ok, try_s=1.0,
@@ -253,11 +254,17 @@ def test_unsloth_search_holds_the_card_to_the_budget_less_the_addback(tmp_path):
     text = X.unsloth_markdown(found)
     assert f"{found['longest']:,} tokens fit" in text and "out of memory" in text
     assert "342,733" in text and "derived from the shapes" in text
+    # Out of time before any length failed: the longest that fitted is a lower bound.
+    found = X.unsloth_search(78, 600, 2, 2, attempt=lambda *a: dict(
+        attempt(*a), fits=True if a[0] < 400_000 else None))
+    assert found["longest"] == 344_064 and found["shortest_failing"] is None
+    assert "a lower bound" in X.unsloth_markdown(found)
 
 
 def test_unsloth_try_reads_the_cells_row_and_counts_out_of_memory_as_not_fitting(monkeypatch):
     rows = {100: dict(finite=True, error=None, peak_gib=70.0),
-            200: dict(finite=False, error="out of memory", peak_gib=74.0)}
+            200: dict(finite=False, error="out of memory", peak_gib=74.0),
+            300: dict(finite=False, error="RuntimeError: CUDA error", peak_gib=1.0)}
     seen = []
 
     def run(cmd, **kw):
@@ -269,6 +276,15 @@ def test_unsloth_try_reads_the_cells_row_and_counts_out_of_memory_as_not_fitting
     assert X.unsloth_try(100, 2, 74.27, 2, 60)["fits"] is True
     row = X.unsloth_try(200, 2, 74.27, 2, 60)
     assert row["fits"] is False and row["error"] == "out of memory" and row["seq"] == 200
+    # A failure other than out of memory, or no row in the time, says nothing of the length.
+    assert X.unsloth_try(300, 2, 74.27, 2, 60)["fits"] is None
+
+    def late(cmd, **kw):
+        raise subprocess.TimeoutExpired(cmd, kw["timeout"], output="loading")
+
+    monkeypatch.setattr(X.subprocess, "run", late)
+    row = X.unsloth_try(400, 2, 74.27, 2, 60)
+    assert row["fits"] is None and row["error"] == "timed out" and row["peak_gib"] is None
     assert seen[0][2:5] == ["benchmarks._torch_anchors", "unsloth", "llama-3-8b"]
     assert seen[0][seen[0].index("--memory-gib") + 1] == "74.27"
     assert seen[0][seen[0].index("--quant") + 1] == "nf4"
