@@ -213,7 +213,8 @@ def unsloth(model: str, batch: int, steps: int, quant: str, checkpointing: str,
     return P.result(cell, model, f"unsloth-{quant}{suffix}", batch, seq, checkpointing, times,
                     losses, setup_s, True, params, getattr(net.config, "_attn_implementation", None),
                     device, import_s=import_s, save_s=save_s, unsloth=U.__version__,
-                    layers=layers or MODELS[model][0], memory_gib=memory_gib, error=error,
+                    layers=layers or MODELS[model][0], memory_gib=memory_gib,
+                    **({"error": error} if error else {}),
                     **versions("unsloth-zoo", "bitsandbytes", "triton", "trl"))
 
 
