@@ -117,8 +117,9 @@ def measured(setup):
     return dict(ours=ours, ours_base=ours_base, cpp_base=cpp_base, base_gap=base_gap, tol=tol)
 
 
-# Three llama.cpp runs (~75 s on 2 cores): slow; the trained adapter's agreement and the
-# q/k-row control below are the default path's representatives.
+# Three llama.cpp runs (~11 s alone, about twice that beside CI's other worker): slow;
+# the trained adapter's agreement and the q/k-row control below are the default path's
+# representatives.
 @pytest.mark.slow
 def test_zero_adapter_is_the_base_exactly(setup, measured):
     zero = _map(setup["lp"], lambda x: dataclasses.replace(x, b=jnp.zeros_like(x.b)))
