@@ -30,6 +30,12 @@ RANK = 16
 LORA_ALPHA = 16
 
 
+def layer_weights(model: str) -> int:
+    """Weights in one layer's seven projections (q, k, v, o, gate, up, down)."""
+    _, d, f, h, kv, _ = MODELS[model]
+    return 2 * d * d + 2 * d * kv * (d // h) + 3 * d * f
+
+
 def vocab(model: str) -> int:
     return 4096 if model == "tiny" else VOCAB
 

@@ -44,7 +44,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ._batch import LORA_ALPHA, MODELS, RANK, vocab
+from ._batch import LORA_ALPHA, MODELS, RANK, layer_weights, vocab
 
 # Nothing from torch, transformers or peft at import: Unsloth must be imported before them
 # (every import of them below waits for that reason).
@@ -114,8 +114,8 @@ def default_model_dir(need_bytes: int = 0) -> Path:
 def model_bytes(model: str, layers: int | None = None) -> int:
     """bf16 bytes of `model`'s weights (the tied embedding once, the norms aside), with
     `layers` layers if given."""
-    n, d, f, h, kv, _ = MODELS[model]
-    return 2 * ((layers or n) * (2 * d * d + 2 * d * kv * (d // h) + 3 * d * f) + vocab(model) * d)
+    n, d = MODELS[model][:2]
+    return 2 * ((layers or n) * layer_weights(model) + vocab(model) * d)
 
 
 def positions_for(seq: int | None) -> int | None:

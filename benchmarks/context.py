@@ -70,7 +70,7 @@ import lorax
 
 from . import _common as C
 from . import _llama as L
-from ._batch import MODELS
+from ._batch import MODELS, RANK, layer_weights
 from ._cuda import compile_for, options
 
 GiB = 2**30
@@ -444,9 +444,8 @@ def unsloth_addback_gib(n_layers: int, model: str = MODEL) -> float:
     64-weight block, a float32 a 256 blocks), float32 rank-16 factors with their gradient
     and AdamW's two states (16 bytes an element). Derived, not measured."""
     n, d, f, h, kv, _ = MODELS[model]
-    weights = 2 * d * d + 2 * d * kv * (d // h) + 3 * d * f
-    factors = 16 * (2 * (d + d) + 2 * (d + kv * (d // h)) + 3 * (d + f))
-    per_layer = weights * (0.5 + 1 / 64 + 4 / (64 * 256)) + 16 * factors
+    factors = RANK * (2 * (d + d) + 2 * (d + kv * (d // h)) + 3 * (d + f))
+    per_layer = layer_weights(model) * (0.5 + 1 / 64 + 4 / (64 * 256)) + 16 * factors
     return max(0, n - n_layers) * per_layer / GiB
 
 
