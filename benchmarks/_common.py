@@ -542,8 +542,8 @@ def write_table(out: Path, name: str, rows: list[dict[str, Any]], text: str) -> 
 def column_table(rows: list[dict[str, Any]], columns: Sequence[tuple[str, str]]) -> str:
     """A table of `(key, title)` columns, floats to 2 places (`compile_s`: 0)."""
     return md_table([title for _, title in columns], (
-        [f"{r[k]:.{0 if k == 'compile_s' else 2}f}" if isinstance(r[k], float) else r[k]
-         for k, _ in columns] for r in rows))
+        ["" if r.get(k) is None else f"{r[k]:.{0 if k == 'compile_s' else 2}f}"
+         if isinstance(r[k], float) else r[k] for k, _ in columns] for r in rows))
 
 
 def replot(out: Path, name: str, plot: Callable[[list[dict[str, Any]], Path], None]) -> Path:

@@ -104,18 +104,19 @@ PENDING_CELLS = (
     "llama-3-8b:qlora-nf4:1:layer:auto",
 )
 # The PyTorch stacks users pick for speed beside lorax's LoRA and QLoRA steps at 1 x 2048
-# (issue 52), most wanted first (`--cells anchors`): lorax, then PEFT + Liger-Kernel, Unsloth
-# (its checkpointing on and off, and QLoRA); lorax's QLoRA with remat `layer` (Unsloth's
-# QLoRA held 5.56 GiB, lorax's remat `dots` one 9.94: the no-more-memory comparison in one
-# run); the 4 x 2048 pair; then Liger compiled and the PEFT + `torch.compile` anchor already
-# measured (0.188 s), whose first steps compile for minutes.
+# (issue 52), most wanted first (`--cells anchors`; `scripts/card-anchors` runs them after
+# the context tries, in what is left of one card call): lorax LoRA and QLoRA at remat
+# `layer` (Unsloth's QLoRA held 5.56 GiB, lorax's at remat `layer` 5.45: the no-more-memory
+# comparison in one run), Unsloth 16-bit without checkpointing (the fastest PyTorch row)
+# and Unsloth QLoRA, PEFT + Liger-Kernel; lorax's fastest QLoRA (remat `dots`); the 4 x 2048
+# pair; the rest of the earlier run; then Liger compiled and the PEFT + `torch.compile`
+# anchor already measured (0.188 s), whose first steps compile for minutes.
 ANCHOR_CELLS = (
-    "llama-3-8b:lora:1:dots:auto", "llama-3-8b:qlora-nf4:1:dots:auto",
-    "llama-3-8b:qlora-bnb_nf4:1:dots:auto",
-    "liger:llama-3-8b:1:eager:off",
-    "unsloth:llama-3-8b:1:16bit:unsloth", "unsloth:llama-3-8b:1:16bit:off",
-    "unsloth:llama-3-8b:1:nf4:unsloth", "llama-3-8b:qlora-nf4:1:layer:auto",
+    "llama-3-8b:lora:1:dots:auto", "llama-3-8b:qlora-nf4:1:layer:auto",
+    "unsloth:llama-3-8b:1:16bit:off", "unsloth:llama-3-8b:1:nf4:unsloth",
+    "liger:llama-3-8b:1:eager:off", "llama-3-8b:qlora-nf4:1:dots:auto",
     "llama-3-8b:lora:4:dots:auto", "unsloth:llama-3-8b:4:16bit:off",
+    "unsloth:llama-3-8b:1:16bit:unsloth", "llama-3-8b:qlora-bnb_nf4:1:dots:auto",
     "liger:llama-3-8b:1:compiled:off", "peft:llama-3-8b:1:compiled:off",
 )
 # Each method family, remat choice and attention path at least once (CI's smoke run).

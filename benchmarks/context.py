@@ -44,8 +44,15 @@ a derived 32-layer step time and tokens/s at SEQ (marked `derived`).
 **Unsloth's longest context** (`--unsloth GIB`, on a GPU with Unsloth installed: `bash
 scripts/card-anchors` with `UNSLOTH_CONTEXT=GIB`) is found the same way: Unsloth's QLoRA
 step on `--layers` layers, each length a process of its own with the card held to GIB
-less what the other layers' weights and state add (`unsloth_addback_gib`), from Unsloth's
+less what the other layers' weights and state add (`addback_gib`), from Unsloth's
 published 342,733 tokens (`bracket_search`), into `<out>/context_unsloth.{csv,md}`.
+
+**lorax beside Unsloth** (`--versus GIB`, on a GPU with Unsloth installed; the first part of
+`bash scripts/card-anchors`): both held to the same card size the same way (`--layers`
+layers, GIB less the other layers' share), the tries that decide whether lorax's longest
+is at least `TARGET` (1.25) times Unsloth's, within `--seconds`: lorax's confirming step
+at `--lorax-seq` (819,200), Unsloth at that over 1.25, then Unsloth at its published
+figure, into `<out>/context_versus.{csv,md}`, rewritten after every try.
 """
 
 from __future__ import annotations
@@ -418,7 +425,7 @@ def _confirm_phases(result: dict[str, Any], deadline: Deadline, seq: int, n_laye
     del compiled, args
     short: dict[str, Any] | None = None
     guess = 60 + 2 * attention_tflop(short_seq, n_layers) / 400
-    if deadline.left() > guess:
+    if short_seq and deadline.left() > guess:  # (`--short 0`: no causal run)
         short = dict(seq=short_seq, window=None)
         result["causal"] = short
         result["phase"] = "causal: setup and compile"
@@ -438,11 +445,11 @@ UNSLOTH_COLUMNS = [("seq", "tokens"), ("layers", "layers"), ("memory_gib", "card
                    ("tokens_per_s", "tokens/s"), ("try_s", "try s"), ("error", "error")]
 
 
-def unsloth_addback_gib(n_layers: int, model: str = MODEL) -> float:
-    """GiB the model's other layers (beyond `n_layers`) add to Unsloth's QLoRA step, from the shapes:
-    bitsandbytes NF4 codes (half a byte a weight) with double-quantized scales (one byte a
-    64-weight block, a float32 a 256 blocks), float32 rank-16 factors with their gradient
-    and AdamW's two states (16 bytes an element). Derived, not measured."""
+def addback_gib(n_layers: int, model: str = MODEL) -> float:
+    """GiB the model's other layers (beyond `n_layers`) add to a QLoRA step, from the shapes,
+    the same for lorax and Unsloth: NF4 codes (half a byte a weight) with double-quantized
+    scales (one byte a 64-weight block, a float32 a 256 blocks), float32 rank-16 factors
+    with their gradient and Adam's two states (16 bytes an element). Derived, not measured."""
     n, d, f, h, kv, _ = MODELS[model]
     factors = RANK * (2 * (d + d) + 2 * (d + kv * (d // h)) + 3 * (d + f))
     per_layer = layer_weights(model) * (0.5 + 1 / 64 + 4 / (64 * 256)) + 16 * factors
@@ -474,6 +481,20 @@ def bracket_search(fits: Callable[[int], bool | None], guess: int, step: int,
     return lo, hi
 
 
+def run_try(cmd: list[str], timeout: float, env: dict[str, str] | None = None
+            ) -> tuple[dict[str, Any] | None, str, float]:
+    """(the `RESULT {json}` row a process printed last, or None; its error text, "timed out"
+    when it outlasted `timeout`; seconds it took)."""
+    t0 = time.perf_counter()
+    try:
+        run = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+        out, err = run.stdout, run.stderr if run.returncode else ""
+    except subprocess.TimeoutExpired as e:
+        out, err = e.stdout if isinstance(e.stdout, str) else "", "timed out"
+    line = next((x for x in out.splitlines()[::-1] if x.startswith("RESULT ")), None)
+    return (json.loads(line[7:]) if line else None), err, round(time.perf_counter() - t0, 1)
+
+
 def unsloth_try(seq: int, n_layers: int, memory_gib: float, steps: int, timeout: float,
                 model: str = MODEL) -> dict[str, Any]:
     """One Unsloth QLoRA step at `seq` tokens in a process of its own
@@ -482,21 +503,14 @@ def unsloth_try(seq: int, n_layers: int, memory_gib: float, steps: int, timeout:
     cmd = [sys.executable, "-m", "benchmarks._torch_anchors", "unsloth", model, "--quant", "nf4",
            "--checkpointing", "unsloth", "--steps", str(steps), "--seq", str(seq),
            "--layers", str(n_layers), "--memory-gib", f"{memory_gib:.2f}"]
-    t0 = time.perf_counter()
-    try:
-        run = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-        out, err = run.stdout, run.stderr
-    except subprocess.TimeoutExpired as e:
-        out, err = e.stdout if isinstance(e.stdout, str) else "", "timed out"
-    line = next((x for x in out.splitlines()[::-1] if x.startswith("RESULT ")), None)
-    row = json.loads(line[7:]) if line else dict(error=(err or "no result")[-300:])
-    row.update(seq=seq, layers=n_layers, memory_gib=memory_gib,
-               try_s=round(time.perf_counter() - t0, 1))
+    printed, err, took = run_try(cmd, timeout)
+    row = printed or dict(error=(err or "no result")[-300:])
+    row.update(seq=seq, layers=n_layers, memory_gib=memory_gib, try_s=took)
     # Out of memory says the length does not fit; a try that timed out or failed otherwise
     # says nothing about it (None: the search ends there, the row keeps the error).
     error = row.get("error")
     row["fits"] = (False if error == "out of memory" else
-                   None if error or line is None or not row.get("finite") else True)
+                   None if error or printed is None or not row.get("finite") else True)
     for key, _ in UNSLOTH_COLUMNS:  # a try that printed no row has only its error
         row.setdefault(key, None)
     return row
@@ -507,9 +521,9 @@ def unsloth_search(limit_gib: float, seconds: float, n_layers: int, steps: int,
                    attempt: Callable[..., dict[str, Any]] = unsloth_try) -> dict[str, Any]:
     """Unsloth's longest QLoRA context on a card of `limit_gib`, the way `--confirm` finds
     lorax's: a model of `n_layers` layers, the card held to `limit_gib` less the other
-    layers' weights and state (`unsloth_addback_gib`), tries while `seconds` last."""
+    layers' weights and state (`addback_gib`), tries while `seconds` last."""
     t0, rows = time.perf_counter(), []
-    cap = limit_gib - unsloth_addback_gib(n_layers, model)
+    cap = limit_gib - addback_gib(n_layers, model)
 
     def fits(seq: int) -> bool | None:
         left = seconds - (time.perf_counter() - t0)
@@ -546,6 +560,147 @@ def unsloth_markdown(found: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+# -- lorax beside Unsloth, on one card size ------------------------------------------------------
+
+TARGET = 1.25  # issue 52's: lorax's longest context at least 1.25x Unsloth's, same card
+# 100 x 8192: the recipe compiled for 78 GiB fits 821,248 tokens at 32 layers (the search
+# above); on the H200 the card's own plan was larger than the deviceless one by under 10%.
+LORAX_SEQ = 819_200
+OOM = re.compile(r"RESOURCE_EXHAUSTED|out of memory", re.IGNORECASE)
+VERSUS_COLUMNS = [("stack", "stack"), *UNSLOTH_COLUMNS[:3], ("limit_gib", "allocator's limit GiB"),
+                  *UNSLOTH_COLUMNS[3:]]
+
+
+def card_gib() -> float | None:
+    """The card's memory in GiB (`nvidia-smi`: no CUDA context made here), or None."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total",
+                              "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=30).stdout
+        return int(out.split()[0]) / 1024
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        return None
+
+
+def lorax_try(seq: int, n_layers: int, memory_gib: float, steps: int, timeout: float,
+              model: str = MODEL, window: int = 4096) -> dict[str, Any]:
+    """One run of the card's confirming step (`--confirm`: attention banded to `window`,
+    cuDNN's same buffers as causal) at `seq` tokens in a process of its own, JAX held to
+    `memory_gib` of the card (`XLA_PYTHON_CLIENT_MEM_FRACTION`, preallocated, as such a
+    step needs): its row, `fits` as `unsloth_try`'s (XLA's `RESOURCE_EXHAUSTED`: False)."""
+    env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="true")
+    total = card_gib()
+    if total:
+        env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = f"{min(memory_gib / total, 1.0):.4f}"
+    cmd = [sys.executable, "-m", "benchmarks.context", "--confirm", str(seq), "--layers",
+           str(n_layers), "--window", str(window), "--short", "0", "--steps", str(steps),
+           "--seconds", f"{max(timeout - 15, 5):.0f}", "--model", model]
+    printed, err, took = run_try(cmd, timeout, env)
+    result = printed or {}
+    banded = result.get("banded") or {}
+    error = result.get("error") or ("" if printed else err or "no result")
+    losses = banded.get("losses") or []
+    if not error and losses and not all(math.isfinite(v) for v in losses):
+        error = "loss not finite"  # (a step that ran but says nothing of the length)
+    fits = False if OOM.search(error) else None if error or not losses else True
+    return dict(stack="lorax", seq=seq, layers=n_layers, memory_gib=memory_gib,
+                limit_gib=result.get("bytes_limit_gib"), fits=fits,
+                peak_gib=banded.get("peak_gib"), step_s=min(banded.get("step_s") or [math.nan]),
+                tokens_per_s=banded.get("tokens_per_s"), try_s=took,
+                error=error[-300:] or None, losses=losses,
+                derived_32_layers=result.get("derived_32_layers"))
+
+
+def versus(limit_gib: float, seconds: float, n_layers: int = 2, lorax_seq: int = LORAX_SEQ,
+           steps: int = 2, step: int = 8192, model: str = MODEL,
+           tries: dict[str, Callable[..., dict[str, Any]]] | None = None,
+           report: Callable[[dict[str, Any]], None] = lambda found: None,
+           try_seconds: float = 150) -> dict[str, Any]:
+    """lorax's recipe and Unsloth's QLoRA held to the same card of `limit_gib`, each on
+    `n_layers` layers with the card held to `limit_gib` less the other layers' share
+    (`addback_gib`, the same for both), the tries that decide `TARGET` first, while
+    `seconds` last: lorax at `lorax_seq` (at 5/6 of it if that does not fit), Unsloth at
+    lorax's length over `TARGET` (not fitting there, its longest is below it), then
+    Unsloth at its published figure. Unsloth's tries take one step (its peak is in it);
+    a try gets at most `try_seconds`. `report` gets the findings after every try."""
+    tries = tries or {"lorax": lorax_try, "unsloth": unsloth_try}
+    t0, rows = time.perf_counter(), []
+    cap = limit_gib - addback_gib(n_layers, model)
+    found = dict(rows=rows, lorax=None, decisive=None, cap_gib=round(cap, 2),
+                 addback_gib=round(limit_gib - cap, 2), limit_gib=limit_gib, layers=n_layers,
+                 model=model)
+
+    def attempt(stack: str, seq: int, n_steps: int) -> bool | None:
+        left = seconds - (time.perf_counter() - t0)
+        if left < 30:
+            return None
+        rows.append(dict(tries[stack](seq, n_layers, cap, n_steps, min(left, try_seconds), model),
+                         stack=stack))
+        if stack == "lorax" and rows[-1]["fits"]:
+            found["lorax"] = seq
+        verdict = {True: "fits", False: "does not fit", None: "unknown"}[rows[-1]["fits"]]
+        print(f"{stack} {seq} tokens: {verdict} ({rows[-1].get('error') or 'ok'}), "
+              f"{rows[-1]['try_s']} s", flush=True)
+        report(found)
+        return rows[-1]["fits"]
+
+    for seq in (lorax_seq, lorax_seq * 5 // 6 // step * step):
+        if attempt("lorax", seq, steps) is not False:
+            break
+    if found["lorax"]:
+        found["decisive"] = int(found["lorax"] / TARGET) // step * step
+        attempt("unsloth", found["decisive"], 1)
+    attempt("unsloth", UNSLOTH_CLAIM, 1)
+    return found
+
+
+def versus_verdict(found: dict[str, Any]) -> list[str]:
+    """The findings in words: lorax's length, Unsloth's at lorax's over `TARGET`, and at
+    its published figure."""
+    rows, lorax, decisive = found["rows"], found["lorax"], found["decisive"]
+    unsloth = {r["seq"]: r["fits"] for r in rows if r["stack"] == "unsloth"}
+    tried = sorted({r["seq"] for r in rows if r["stack"] == "lorax"})
+    named = ", ".join(f"{s:,}" for s in tried) or "none tried"
+    lines = [f"- **lorax: {lorax:,} tokens fit**." if lorax else
+             f"- lorax: no length tried fits ({named})."]
+    if decisive and unsloth.get(decisive) is False:
+        lines.append(f"- **Unsloth: {decisive:,} tokens do not fit** (out of memory): lorax's "
+                     f"longest is at least {lorax / decisive:.2f}x Unsloth's (the target: "
+                     f"{TARGET}x).")
+    elif decisive and unsloth.get(decisive):
+        lines.append(f"- Unsloth: {decisive:,} tokens fit too: these tries do not show "
+                     f"lorax's longest at {TARGET}x Unsloth's.")
+    elif decisive:
+        lines.append(f"- Unsloth at {decisive:,} tokens: not decided (see its row).")
+    claim = unsloth.get(UNSLOTH_CLAIM)
+    lines.append(f"- Unsloth at its published {UNSLOTH_CLAIM:,} tokens: " + (
+        "not tried in the time." if UNSLOTH_CLAIM not in unsloth else
+        {True: "fits.", False: "does not fit (out of memory).", None: "not decided."}[claim]))
+    return lines
+
+
+def versus_markdown(found: dict[str, Any]) -> str:
+    table = C.column_table(found["rows"], VERSUS_COLUMNS)
+    derived_row = next((r["derived_32_layers"] for r in found["rows"] if r["stack"] == "lorax"
+                        and r["fits"] and r.get("derived_32_layers")), None)
+    notes = [
+        f"Both held to {found['limit_gib']:g} GiB: {found['layers']} layers of "
+        f"{found['model']}, the card held to {found['cap_gib']:.2f} GiB ({found['limit_gib']:g} "
+        f"less {found['addback_gib']:.2f} GiB, the other "
+        f"{MODELS[found['model']][0] - found['layers']} layers' NF4 codes, scales, factors and "
+        f"Adam state, derived from the shapes). lorax: QLoRA nf4, `{RECIPE}`, JAX's allocator "
+        f"held by `XLA_PYTHON_CLIENT_MEM_FRACTION`, attention banded to 4,096 tokens (cuDNN's "
+        f"buffers are causal attention's, so the memory is; the time is not). Unsloth: QLoRA "
+        f"(bitsandbytes NF4), its host-offloading checkpointing, causal attention, "
+        f"`torch.cuda.set_per_process_memory_fraction`. Rank 16 on the seven projections, "
+        f"batch 1, one process a try."]
+    if derived_row:
+        notes.append(f"lorax at 32 layers with causal attention, derived from the run's product "
+                     f"rates: {derived_row['step_s']} s a step, {derived_row['tokens_per_s']:,} "
+                     f"tokens/s (not run).")
+    return "\n".join([table, "", *versus_verdict(found), "", *notes]) + "\n"
+
+
 # -- the command ---------------------------------------------------------------------------------
 
 
@@ -569,7 +724,20 @@ def main(argv: list[str] | None = None) -> Any:
     p.add_argument("--unsloth", type=float, default=None, metavar="GIB",
                    help="search Unsloth's longest context on a card of GIB (on a GPU, with "
                    "Unsloth installed), within --seconds, on --layers layers")
+    p.add_argument("--versus", type=float, default=None, metavar="GIB",
+                   help="lorax and Unsloth held to a card of GIB (on a GPU, with Unsloth "
+                   "installed): the tries that decide the 1.25x target, within --seconds")
+    p.add_argument("--lorax-seq", type=int, default=LORAX_SEQ, help="--versus's lorax length")
     args = p.parse_args(argv)
+    if args.versus:
+        def write(found: dict[str, Any]) -> None:  # after every try: a cut run keeps its rows
+            C.write_table(C.out_dir(args.out), "context_versus",
+                          [{k: v for k, v in r.items() if k in dict(VERSUS_COLUMNS)}
+                           for r in found["rows"]], versus_markdown(found))
+        found = versus(args.versus, args.seconds, args.layers, args.lorax_seq, args.steps,
+                       model=args.model, report=write)
+        write(found)
+        return found
     if args.unsloth:
         found = unsloth_search(args.unsloth, args.seconds, args.layers, args.steps,
                                args.guess or UNSLOTH_CLAIM, args.step, args.model)

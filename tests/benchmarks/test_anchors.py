@@ -173,14 +173,21 @@ def test_a_bad_pytorch_cell_says_what_such_a_cell_takes(bad, match):
         A.cell_args(bad, 1, None)
 
 
-def test_the_anchor_cells_put_lorax_first_and_the_minutes_long_compiles_last():
+def test_the_anchor_cells_put_the_targets_pairs_first_and_the_minutes_long_compiles_last():
     from benchmarks import accelerator as A
 
-    stacks = [c.split(":")[0] for c in A.ANCHOR_CELLS]
-    assert stacks[:3] == ["llama-3-8b"] * 3 and stacks.index("liger") < stacks.index("unsloth")
+    # What fits the few minutes one card call has left after the context tries: lorax's
+    # LoRA and its QLoRA at Unsloth's memory, beside the fastest PyTorch rows measured
+    # (Unsloth without checkpointing, Unsloth QLoRA) and PEFT + Liger.
+    assert set(A.ANCHOR_CELLS[:5]) == {
+        "llama-3-8b:lora:1:dots:auto", "llama-3-8b:qlora-nf4:1:layer:auto",
+        "unsloth:llama-3-8b:1:16bit:off", "unsloth:llama-3-8b:1:nf4:unsloth",
+        "liger:llama-3-8b:1:eager:off"}
+    assert A.ANCHOR_CELLS[:2] == ("llama-3-8b:lora:1:dots:auto",
+                                  "llama-3-8b:qlora-nf4:1:layer:auto")
     assert all(":compiled:" in c for c in A.ANCHOR_CELLS[-2:])
     assert not any(":compiled:" in c for c in A.ANCHOR_CELLS[:-2])
-    assert A.ANCHOR_CELLS[2] == "llama-3-8b:qlora-bnb_nf4:1:dots:auto"
+    assert len(set(A.ANCHOR_CELLS)) == len(A.ANCHOR_CELLS)
     assert set(A.MODEL_NAMES) == set(T.MODEL_NAMES)
 
 
@@ -342,3 +349,33 @@ def test_the_card_script_parses():
     subprocess.run(["bash", "-n", str(ROOT / "scripts" / "card-anchors")], check=True)
     text = (ROOT / "scripts" / "card-anchors").read_text()
     assert "--cells \"$cells\"" in text and "timeout -k 5" in text
+    # One card call: the context tries that decide issue 52's 1.25x, then the cells.
+    assert text.index("--versus") < text.index("benchmarks.accelerator")
+    assert "budget=${2:-570}" in text  # under the device's 600 s a command
+
+
+def test_the_card_script_runs_the_context_tries_then_the_cells_within_its_budget(tmp_path):
+    """The one card call's order and clocks, with `python3` stubbed (it records its
+    arguments): the wheels, the smoke, `context --versus 78` for 230 s, then the cells
+    with the benchmark's deadline inside what is left."""
+    bin_dir, calls = tmp_path / "bin", tmp_path / "calls.txt"
+    bin_dir.mkdir()
+    (bin_dir / "python3").write_text(f'#!/bin/sh\necho "$*" >> {calls}\n')
+    (bin_dir / "python3").chmod(0o755)
+    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}",
+               LORAX_SITE=str(tmp_path / "site"))
+    for key in ("UNSLOTH_CONTEXT", "CONTEXT_SECONDS", "CELLS", "TRACE", "STEPS"):
+        env.pop(key, None)
+    p = subprocess.run(["bash", str(ROOT / "scripts" / "card-anchors"), str(tmp_path / "out")],
+                       capture_output=True, text=True, env=env, timeout=60)
+    assert p.returncode == 0, p.stderr
+    lines = calls.read_text().splitlines()
+    assert lines[0].startswith("-m pip install") and lines[1].endswith(".py")  # the smoke
+    context, cells = lines[2].split(), lines[3].split()
+    assert context[:2] == ["-m", "benchmarks.context"]
+    assert context[context.index("--versus") + 1] == "78"
+    assert context[context.index("--seconds") + 1] == "230"
+    assert cells[:2] == ["-m", "benchmarks.accelerator"]
+    assert cells[cells.index("--cells") + 1] == "anchors"
+    assert 500 <= int(cells[cells.index("--deadline") + 1]) <= 570 - 20
+    assert "done in" in (tmp_path / "out" / "log.txt").read_text()

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import jax
@@ -227,9 +228,9 @@ def test_bracket_search_stops_when_no_time_is_left_and_keeps_what_it_has():
 
 
 def test_unsloth_addback_is_the_other_layers_nf4_weights_and_factor_state():
-    per_layer = X.unsloth_addback_gib(31)
-    assert X.unsloth_addback_gib(X.LAYERS) == 0
-    assert X.unsloth_addback_gib(2) == pytest.approx(30 * per_layer)
+    per_layer = X.addback_gib(31)
+    assert X.addback_gib(X.LAYERS) == 0
+    assert X.addback_gib(2) == pytest.approx(30 * per_layer)
     # Llama-3-8B's 218 M weights a layer at just over half a byte (NF4 and its scales),
     # and 1.3 M float32 factor elements at 16 bytes: 0.125 GiB.
     assert 0.12 < per_layer < 0.13
@@ -248,8 +249,8 @@ def test_unsloth_search_holds_the_card_to_the_budget_less_the_addback(tmp_path):
                     error=None if ok else "out of memory")
 
     found = X.unsloth_search(78, 600, 2, 2, attempt=attempt)
-    assert found["cap_gib"] == pytest.approx(78 - X.unsloth_addback_gib(2), abs=0.01)
-    assert {c[2] for c in calls} == {78 - X.unsloth_addback_gib(2)} and calls[0][0] == 344_064
+    assert found["cap_gib"] == pytest.approx(78 - X.addback_gib(2), abs=0.01)
+    assert {c[2] for c in calls} == {78 - X.addback_gib(2)} and calls[0][0] == 344_064
     assert found["longest"] <= 600_000 < found["shortest_failing"]
     text = X.unsloth_markdown(found)
     assert f"{found['longest']:,} tokens fit" in text and "out of memory" in text
@@ -288,3 +289,106 @@ def test_unsloth_try_reads_the_cells_row_and_counts_out_of_memory_as_not_fitting
     assert seen[0][2:5] == ["benchmarks._torch_anchors", "unsloth", "llama-3-8b"]
     assert seen[0][seen[0].index("--memory-gib") + 1] == "74.27"
     assert seen[0][seen[0].index("--quant") + 1] == "nf4"
+
+
+# -- lorax beside Unsloth on one card size ---------------------------------------------------------
+
+
+def fake_card(lorax_longest: int, unsloth_longest: int, calls: list):
+    """Tries on a pretend card: a stack's length fits up to its longest, else out of memory."""
+    def make(stack: str, longest: int):
+        def attempt(seq, n_layers, cap, steps, timeout, model):
+            calls.append((stack, seq, cap, steps, timeout))
+            ok = seq <= longest
+            return dict(stack=stack, seq=seq, layers=n_layers, memory_gib=cap, fits=ok,
+                        try_s=1.0, peak_gib=cap - 1, step_s=3.0, tokens_per_s=seq / 3.0,
+                        error=None if ok else "out of memory")
+        return attempt
+    return {"lorax": make("lorax", lorax_longest), "unsloth": make("unsloth", unsloth_longest)}
+
+
+def test_versus_tries_the_lengths_that_decide_the_target_on_the_same_cap():
+    calls = []
+    found = X.versus(78, 600, tries=fake_card(900_000, 400_000, calls))
+    cap = 78 - X.addback_gib(2)
+    assert [c[:2] for c in calls] == [("lorax", 819_200), ("unsloth", 655_360),
+                                      ("unsloth", X.UNSLOTH_CLAIM)]
+    assert {c[2] for c in calls} == {cap} and found["cap_gib"] == pytest.approx(cap, abs=0.01)
+    assert [c[3] for c in calls] == [2, 1, 1]  # Unsloth's peak is in its first step
+    assert all(c[4] <= 150 for c in calls)  # no one try takes the others' time
+    assert 819_200 / 655_360 == X.TARGET
+    text = X.versus_markdown(found)
+    assert "lorax: 819,200 tokens fit" in text and "655,360 tokens do not fit" in text
+    assert "at least 1.25x Unsloth's" in text and "published 342,733 tokens: fits" in text
+    assert "banded to 4,096" in text and "derived from the shapes" in text
+
+
+def test_versus_steps_lorax_down_once_and_says_when_unsloth_fits_too():
+    calls = []
+    found = X.versus(78, 600, tries=fake_card(700_000, 600_000, calls))
+    assert [c[:2] for c in calls][:3] == [("lorax", 819_200), ("lorax", 679_936),
+                                          ("unsloth", 540_672)]
+    assert found["lorax"] == 679_936 and found["decisive"] == 540_672
+    assert "540,672 tokens fit too: these tries do not show" in X.versus_markdown(found)
+    # lorax fitting at neither length: Unsloth is tried only at its published figure.
+    calls.clear()
+    found = X.versus(78, 600, tries=fake_card(100_000, 400_000, calls))
+    assert [c[:2] for c in calls] == [("lorax", 819_200), ("lorax", 679_936),
+                                      ("unsloth", X.UNSLOTH_CLAIM)]
+    assert "no length tried fits (679,936, 819,200)" in X.versus_markdown(found)
+
+
+def test_versus_ends_when_its_time_is_spent():
+    calls = []
+    tries = fake_card(900_000, 400_000, calls)
+    slow = tries["lorax"]
+    tries["lorax"] = lambda *a: (time.sleep(0.3), slow(*a))[1]
+    found = X.versus(78, 30.2, tries=tries)  # under 30 s left after lorax's try: no more
+    assert [c[0] for c in calls] == ["lorax"] and found["decisive"] == 655_360
+    text = X.versus_markdown(found)
+    assert "Unsloth at 655,360 tokens: not decided" in text and "not tried in the time" in text
+
+
+def test_lorax_try_holds_jax_to_the_cap_and_reads_out_of_memory(monkeypatch):
+    printed = {
+        100: dict(bytes_limit_gib=74.2, banded=dict(step_s=[9.0, 8.0], losses=[12.5, 12.4],
+                                                    peak_gib=70.0, tokens_per_s=12.5)),
+        200: dict(bytes_limit_gib=74.2, banded={}, error="XlaRuntimeError: RESOURCE_EXHAUSTED: "
+                  "Out of memory while trying to allocate 80.1GiB"),
+        300: dict(bytes_limit_gib=74.2, banded={}, error="ValueError: something else"),
+        400: dict(bytes_limit_gib=74.2, banded=dict(step_s=[9.0], losses=[float("nan")])),
+    }
+    seen = []
+
+    def run(cmd, **kw):
+        seen.append((cmd, kw["env"]))
+        seq = int(cmd[cmd.index("--confirm") + 1])
+        return subprocess.CompletedProcess(cmd, 0, "RESULT " + json.dumps(printed[seq]), "")
+
+    monkeypatch.setattr(X.subprocess, "run", run)
+    monkeypatch.setattr(X, "card_gib", lambda: 140.0)
+    row = X.lorax_try(100, 2, 74.27, 2, 120)
+    assert row["fits"] is True and row["step_s"] == 8.0 and row["limit_gib"] == 74.2
+    cmd, env = seen[0]
+    assert env["XLA_PYTHON_CLIENT_PREALLOCATE"] == "true"
+    assert float(env["XLA_PYTHON_CLIENT_MEM_FRACTION"]) == pytest.approx(74.27 / 140, abs=1e-4)
+    assert cmd[cmd.index("--short") + 1] == "0" and cmd[cmd.index("--layers") + 1] == "2"
+    assert X.lorax_try(200, 2, 74.27, 2, 120)["fits"] is False
+    assert X.lorax_try(300, 2, 74.27, 2, 120)["fits"] is None
+    row = X.lorax_try(400, 2, 74.27, 2, 120)  # a step, not finite: nothing of the length
+    assert row["fits"] is None and row["error"] == "loss not finite"
+
+    def late(cmd, **kw):
+        raise subprocess.TimeoutExpired(cmd, kw["timeout"], output="compiling")
+
+    monkeypatch.setattr(X.subprocess, "run", late)
+    row = X.lorax_try(500, 2, 74.27, 2, 120)
+    assert row["fits"] is None and row["error"] == "timed out"
+
+
+@pytest.mark.slow  # one real confirming step in its own process (~15 s)
+def test_lorax_try_runs_the_confirming_step_in_a_process_of_its_own():
+    row = X.lorax_try(256, 2, 10.0, 2, 300, model="tiny", window=64)
+    assert row["fits"] is True, row["error"]
+    assert len(row["losses"]) == 2 and row["step_s"] > 0
+    assert row["derived_32_layers"]["derived"] is True
