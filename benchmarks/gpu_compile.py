@@ -83,12 +83,13 @@ def loops(hlo_text: str) -> list[Loop]:
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%(\S+) = (\w+)\[([0-9,]*)\]\S* ([\w-]+)\((.*?)\)", re.M)
 
 
-def dense_writes(hlo_text: str, min_values: int = 2**20) -> int:
-    """How many fusions write a dequantized weight: a kLoop/kInput fusion (not a matrix
-    product's) reading 8- or 4-bit integers and writing a 16-bit float array of at least
-    `min_values` values, and no array of `s32` indices (an embedding lookup's rows)."""
+def _weight_writes(hlo_text: str, min_values: int) -> list[tuple[str, int]]:
+    """(dtype, values) of each fusion in `hlo_text` that writes a dequantized weight: a
+    kLoop/kInput fusion (not a matrix product's) reading 8- or 4-bit integers and writing
+    a 16-bit float array of at least `min_values` values, and no array of `s32` indices
+    (an embedding lookup's rows)."""
     shapes = {m.group(1): (m.group(2), m.group(3)) for m in _INSTRUCTION.finditer(hlo_text)}
-    count = 0
+    found = []
     for m in _INSTRUCTION.finditer(hlo_text):
         name, dtype, dims, op, operands = m.groups()
         if op != "fusion" or dtype not in ("bf16", "f16"):
@@ -98,9 +99,24 @@ def dense_writes(hlo_text: str, min_values: int = 2**20) -> int:
         reads = [shapes.get(o.strip().lstrip("%"), ("", "")) for o in operands.split(",")]
         codes = any(t in ("s8", "u8", "s4", "u4") for t, _ in reads)
         lookup = any(t == "s32" and d for t, d in reads)
-        if codes and not lookup and math.prod(int(d) for d in dims.split(",") if d) >= min_values:
-            count += 1
-    return count
+        values = math.prod(int(d) for d in dims.split(",") if d)
+        if codes and not lookup and values >= min_values:
+            found.append((dtype, values))
+    return found
+
+
+def dense_writes(hlo_text: str, min_values: int = 2**20) -> int:
+    """How many fusions of the program write a dequantized weight (`_weight_writes`), each
+    once: a layer loop's body counts one layer's."""
+    return len(_weight_writes(hlo_text, min_values))
+
+
+def dense_write_gib(hlo_text: str, min_values: int = 2**20) -> float:
+    """GiB those fusions write in one step, each counted as often as its loop runs: the
+    same for a step's layers scanned or unrolled."""
+    bodies, runs = C.hlo_executions(hlo_text)
+    return sum(runs.get(name, 0) * values * C.bits(dtype) / 8 for name, body in bodies.items()
+               for dtype, values in _weight_writes(body, min_values)) / GiB
 
 
 # An instruction's name and (first) result shape: `%x = bf16[2,3]{1,0} op(` or `%x = (bf16[..`
@@ -180,7 +196,8 @@ def measure(target: str, cell: str, memory_gib: float | None = None,
                 host_loops=len(found),
                 prefetching_loops=sum(1 for lp in found if lp.carried_slices),
                 carried_mib=max((lp.carried_bytes for lp in found), default=0) / 2**20,
-                dense_writes=dense_writes(hlo), slice_copies_gib=slice_copies_gib(hlo),
+                dense_writes=dense_writes(hlo), dense_write_gib=dense_write_gib(hlo),
+                slice_copies_gib=slice_copies_gib(hlo),
                 product_tflop=product_tflop(hlo))
 
 
@@ -192,6 +209,7 @@ COLUMNS = [("model", "model"), ("method", "method"), ("remat", "remat"), ("layer
            ("prefetching_loops", "of them moving the next layer ahead"),
            ("carried_mib", "next layer in flight, MiB"),
            ("dense_writes", "dequantizations writing a weight"),
+           ("dense_write_gib", "dequantized weights written, GiB a step"),
            ("slice_copies_gib", "slices copied, GiB a step"),
            ("product_tflop", "matrix products, TFLOP a step"), ("compile_s", "compile s")]
 _HOST_COLUMNS = {"host_args_gib", "host_temps_gib", "host_loops", "prefetching_loops",

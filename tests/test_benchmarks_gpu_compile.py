@@ -70,6 +70,31 @@ def test_dense_writes_counts_weights_not_lookups_products_or_small_arrays():
     assert G.dense_writes(_FUSIONS, min_values=64) == 2
 
 
+# One layer's weight dequantized in a 4-iteration loop's body, the output layer's once after.
+_DEQUANT_LOOP = """\
+%body (t: (s32[], s8[4,1024,1024])) -> (s32[], s8[4,1024,1024]) {
+  %t = (s32[], s8[4,1024,1024]{2,1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%t), index=0
+  %codes = s8[4,1024,1024]{2,1,0} get-tuple-element(%t), index=1
+  %w = bf16[1024,1024]{1,0} fusion(%codes, %i), kind=kLoop, calls=%dq
+  ROOT %out = (s32[], s8[4,1024,1024]{2,1,0}) tuple(%i, %codes)
+}
+
+ENTRY %main (init: (s32[], s8[4,1024,1024]), emb: u8[2048,1024]) -> bf16[2048,2048] {
+  %init = (s32[], s8[4,1024,1024]{2,1,0}) parameter(0)
+  %emb = u8[2048,1024]{1,0} parameter(1)
+  %loop = (s32[], s8[4,1024,1024]{2,1,0}) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"4"}}
+  ROOT %head = bf16[2048,2048]{1,0} fusion(%emb), kind=kLoop, calls=%dq2
+}
+"""
+
+
+def test_dense_write_gib_counts_a_loops_dequantization_as_often_as_it_runs():
+    assert G.dense_writes(_DEQUANT_LOOP) == 2  # each fusion once, as the program holds it
+    assert G.dense_write_gib(_DEQUANT_LOOP) * 2**30 == 4 * 1024 * 1024 * 2 + 2048 * 2048 * 2
+    assert G.dense_write_gib(_FUSIONS) == 0  # no entry computation: nothing runs
+
+
 # A compiled module with a 4-iteration loop: a weight's slice copied out of its stack (a
 # bitcast of the slice), an activation's slice at a reversed index (async), a slice scaled
 # on the way (a computation, not a copy), one product as an XLA `dot`, one as a cuBLAS call
