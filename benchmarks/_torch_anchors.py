@@ -169,6 +169,13 @@ def saved_model(model: str, model_dir: Path, device: str, layers: int | None = N
     return path, time.perf_counter() - t0
 
 
+def is_out_of_memory(error: BaseException) -> bool:
+    """Whether a step's error is the card running out of memory: torch's
+    `OutOfMemoryError`, or a Triton or cuBLAS kernel's CUDA error that says so."""
+    return (type(error).__name__ == "OutOfMemoryError"
+            or "out of memory" in str(error).lower())
+
+
 def unsloth(model: str, batch: int, steps: int, quant: str, checkpointing: str,
             model_dir: Path | None, seq: int | None = None, layers: int | None = None,
             memory_gib: float | None = None) -> dict:
@@ -206,7 +213,9 @@ def unsloth(model: str, batch: int, steps: int, quant: str, checkpointing: str,
     setup_s = P.start(device) - t0
     try:
         times, losses, error = *P.train(step, steps, device), None
-    except torch.OutOfMemoryError:
+    except RuntimeError as e:  # (torch's OutOfMemoryError, or a kernel's CUDA error saying so)
+        if not is_out_of_memory(e):
+            raise
         times, losses, error = [float("nan")], [float("nan")], "out of memory"
     suffix = {"unsloth": "", "on": "-hfckpt", "off": "-nockpt"}[checkpointing]
     cell = f"unsloth:{model}:{batch}:{quant}:{checkpointing}" + (f":{seq}:{layers}" if layers else "")

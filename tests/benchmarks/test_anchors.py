@@ -379,3 +379,12 @@ def test_the_card_script_runs_the_context_tries_then_the_cells_within_its_budget
     assert cells[cells.index("--cells") + 1] == "anchors"
     assert 500 <= int(cells[cells.index("--deadline") + 1]) <= 570 - 20
     assert "done in" in (tmp_path / "out" / "log.txt").read_text()
+
+
+def test_out_of_memory_is_torchs_error_or_a_kernels_cuda_error_saying_so():
+    class OutOfMemoryError(RuntimeError):  # torch.OutOfMemoryError's name, no torch needed
+        pass
+
+    assert T.is_out_of_memory(OutOfMemoryError("CUDA out of memory. Tried to allocate 9 GiB"))
+    assert T.is_out_of_memory(RuntimeError("Triton Error [CUDA]: out of memory"))
+    assert not T.is_out_of_memory(RuntimeError("CUDA error: an illegal memory access"))
