@@ -695,9 +695,9 @@ def versus_markdown(found: dict[str, Any]) -> str:
         f"`torch.cuda.set_per_process_memory_fraction`. Rank 16 on the seven projections, "
         f"batch 1, one process a try."]
     if derived_row:
-        notes.append(f"lorax at 32 layers with causal attention, derived from the run's product "
-                     f"rates: {derived_row['step_s']} s a step, {derived_row['tokens_per_s']:,} "
-                     f"tokens/s (not run).")
+        notes.append(f"lorax at 32 layers with causal attention, derived (not run): "
+                     f"{derived_row['step_s']} s a step, {derived_row['tokens_per_s']:,} tokens/s, "
+                     f"every product, attention's too, at the banded step's TFLOP/s.")
     return "\n".join([table, "", *versus_verdict(found), "", *notes]) + "\n"
 
 
